@@ -1,0 +1,40 @@
+"""asyncinterp: read and change activations inside PyTorch models with plain async coroutines.
+
+    import asyncinterp as ai
+    model = ai.wrap(module)
+
+    async def ablate(m):
+        h = await m.layers[3].output
+        h[:] = 0
+        return await m.output
+
+    out = model.trace(x, ablate)
+"""
+
+from .aio import in_loop
+from .envoy import Envoy, HookPoint, point
+from .kernel.errors import (
+    AsyncInterpError,
+    ForeignAwaitError,
+    MissedHookPoint,
+    ModulePathError,
+    NotInRunError,
+    OutOfOrderError,
+    ReplacementError,
+    RunCancelled,
+    UnsetFutureError,
+)
+from .kernel.futures import Future
+from .model import Model, Trace, wrap
+from .run import Invoke, Run, RunStopped
+from .tasks import Steps, gather, spawn
+from .views import BatchLayout, Layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncInterpError", "BatchLayout", "Envoy", "ForeignAwaitError", "Future", "HookPoint", "Invoke",
+    "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
+    "ReplacementError", "Run", "RunCancelled", "RunStopped", "Steps", "Trace", "UnsetFutureError",
+    "gather", "in_loop", "point", "spawn", "wrap",
+]

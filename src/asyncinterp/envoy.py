@@ -1,0 +1,259 @@
+"""Envoys: proxies over ``nn.Module``s and the hook points they expose.
+
+``ai.wrap(model)`` returns a tree of envoys mirroring ``named_modules()``:
+``m.transformer.h[3].mlp``. An envoy never changes its module; it only names
+it. Awaiting one of its hook points (``.output``, ``.input``, ``.inputs``)
+asks the current run to install a hook on that module, lazily, so modules
+nobody awaits cost nothing.
+
+New hook points are declared with the :class:`point` descriptor on an envoy
+subclass: a base point (``output`` or ``inputs``) plus ``read``/``write``
+functions that map the base value to the value users see and back (e.g. a
+per-head view of an attention output).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from .kernel.errors import ModulePathError, NotInRunError
+from .kernel.scheduler import current_kernel, current_task
+from .kernel.traps import PointTrap
+
+_BASE_KINDS = ("output", "inputs")
+
+
+class HookPoint(PointTrap):
+    """An awaitable hook point of one module (``m.x.output``)."""
+
+    __slots__ = ("envoy", "name", "key", "base_kind", "read", "write")
+
+    def __init__(self, envoy, name, base=None, read=None, write=None):
+        self.envoy = envoy
+        self.name = name
+        self.base_kind = name if base is None else base.base_kind
+        self.key = self if base is None else base.key
+        self.read = read
+        self.write = write
+
+    def describe(self) -> str:
+        path = self.envoy._path
+        return f"{path}.{self.name}" if path else self.name
+
+    def __repr__(self):
+        return f"<hook point {self.describe()}>"
+
+    def __await__(self):
+        if current_kernel() is None:
+            raise NotInRunError(
+                f"`await {self.describe()}` outside a run: hook points can only be awaited inside an "
+                "intervention passed to model.trace / model.atrace / model.generate (or a run's invoke), "
+                "which is where the model delivers them.")
+        return (yield self)
+
+    def replace(self, value) -> None:
+        """Replace this point's value for the current invoke (call right after awaiting it)."""
+        task = current_task()
+        kernel = current_kernel()
+        if task is None:
+            raise NotInRunError(f"{self.describe()} can only be replaced from inside an intervention")
+        kernel.host.replace(self, task, value)
+
+    set = replace
+
+
+class point:
+    """Descriptor declaring a hook point on an :class:`Envoy` subclass.
+
+    ``point()`` on attribute ``output``/``inputs`` declares a base point.
+    ``point(base="output", read=f, write=g)`` declares a derived point whose
+    awaited value is ``f(base_value)`` and whose replacement ``v`` becomes
+    ``g(v, base_value)`` at the base point.
+    """
+
+    def __init__(self, base: str | None = None, read=None, write=None, doc: str | None = None):
+        self.base = base
+        self.read = read
+        self.write = write
+        self.name = None
+        self.__doc__ = doc
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        if self.base is None and name not in _BASE_KINDS:
+            raise TypeError(f"hook point {name!r} needs base='output' or base='inputs' (and read/write functions)")
+
+    def __get__(self, envoy, owner=None):
+        if envoy is None:
+            return self
+        points = envoy._points
+        hp = points.get(self.name)
+        if hp is None:
+            if self.base is None:
+                hp = HookPoint(envoy, self.name)
+            else:
+                hp = HookPoint(envoy, self.name, getattr(envoy, self.base), self.read, self.write)
+            points[self.name] = hp
+        return hp
+
+    def __set__(self, envoy, value):
+        self.__get__(envoy).replace(value)
+
+
+def _first_arg(inputs):
+    args, kwargs = inputs
+    if args:
+        return args[0]
+    if kwargs:
+        return next(iter(kwargs.values()))
+    raise ValueError("the module was called without arguments; it has no .input")
+
+
+def _with_first_arg(new, inputs):
+    args, kwargs = inputs
+    if args:
+        return (new,) + tuple(args[1:]), kwargs
+    key = next(iter(kwargs))
+    return args, {**kwargs, key: new}
+
+
+class Envoy:
+    """Proxy of one module inside a wrapped model."""
+
+    output = point(doc="the module's output (forward hook)")
+    inputs = point(doc="(args, kwargs) the module is called with (forward pre-hook)")
+    input = point(base="inputs", read=_first_arg, write=_with_first_arg,
+                  doc="the module's first positional argument")
+
+    def __init__(self, module, path: str, root: "Envoy | None" = None, parent: "Envoy | None" = None):
+        d = self.__dict__
+        d["_module"] = module
+        d["_path"] = path
+        d["_root"] = root if root is not None else self
+        d["_parent"] = parent
+        d["_children"] = {}
+        d["_points"] = {}
+
+    # --------------------------------------------------------------- tree
+    @property
+    def path(self) -> str:
+        """Dotted module path (``''`` for the root), as in ``named_modules()``."""
+        return self._path
+
+    @property
+    def module(self):
+        """The wrapped ``nn.Module`` itself."""
+        return self._module
+
+    def _child(self, name: str) -> "Envoy":
+        child = self._children.get(name)
+        if child is None:
+            module = self._module._modules[name]
+            path = f"{self._path}.{name}" if self._path else name
+            cls = self._root._envoy_class_for(module)
+            child = cls(module, path, self._root, self)
+            self._children[name] = child
+        return child
+
+    def child(self, name: str) -> "Envoy":
+        """The child envoy ``name`` (use for children whose names clash with hook points)."""
+        if name not in self._module._modules:
+            raise self._missing(name)
+        return self._child(name)
+
+    def __getattr__(self, name: str):
+        module = self.__dict__["_module"]
+        if name in module._modules:
+            return self._child(name)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise self._missing(name) from None
+
+    def _missing(self, name):
+        names = list(self._module._modules)
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        where = self._path or type(self._module).__name__
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        listing = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+        return ModulePathError(
+            f"{where!s} has no submodule or attribute {name!r}.{hint} Its submodules are: {listing or '(none)'}")
+
+    def __setattr__(self, name, value):
+        attr = getattr(type(self), name, None)
+        if isinstance(attr, point):
+            attr.__set__(self, value)
+            return
+        raise AttributeError(
+            f"cannot set {name!r} on envoy {self._path or '<root>'}: only hook points "
+            f"(e.g. .output, .input) can be assigned, inside an intervention")
+
+    def __getitem__(self, index):
+        keys = list(self._module._modules)
+        if isinstance(index, str):
+            return self.child(index)
+        if isinstance(index, slice):
+            return [self._child(k) for k in keys[index]]
+        try:
+            return self._child(keys[index])
+        except IndexError:
+            raise ModulePathError(f"{self._path or '<root>'} has {len(keys)} submodules; index {index} is out of range") from None
+
+    def __len__(self):
+        return len(self._module._modules)
+
+    def __iter__(self):
+        for k in list(self._module._modules):
+            yield self._child(k)
+
+    def children(self):
+        return list(self)
+
+    def modules(self):
+        """This envoy and every descendant, depth first (like ``named_modules``)."""
+        out = [self]
+        for c in self:
+            out.extend(c.modules())
+        return out
+
+    # ------------------------------------------------------------ control
+    def skip(self, value) -> None:
+        """Do not run this module on its next call; it outputs ``value`` instead.
+
+        For an invoke that covers part of the batch, the module still runs for
+        the other rows and this invoke's rows are replaced by ``value``.
+        """
+        kernel = current_kernel()
+        if kernel is None:
+            raise NotInRunError(f"{self._path}.skip(...) must be called inside an intervention, before the module runs")
+        kernel.host.skip(self, current_task(), value)
+
+    def __call__(self, *args, **kwargs):
+        """Call the module ad hoc: inside a run no hook point fires for this call."""
+        kernel = current_kernel()
+        if kernel is not None:
+            return kernel.host.call_adhoc(self._module, args, kwargs)
+        return self._module(*args, **kwargs)
+
+    # ------------------------------------------------------------ display
+    def __repr__(self):
+        return self._tree(depth=0, max_depth=3)
+
+    def _tree(self, depth, max_depth):
+        name = self._path.rsplit(".", 1)[-1] if self._path else "<root>"
+        line = "  " * depth + f"{name}: {type(self._module).__name__}"
+        if depth >= max_depth or not self._module._modules:
+            if self._module._modules and depth >= max_depth:
+                line += f" ({len(self._module._modules)} children)"
+            return line
+        kids = list(self)
+        lines = [line]
+        # collapse runs of identical containers like layers.0..11
+        if len(kids) > 3 and all(type(k._module) is type(kids[0]._module) for k in kids):
+            lines.append(kids[0]._tree(depth + 1, max_depth))
+            lines.append("  " * (depth + 1) + f"... {len(kids) - 1} more {type(kids[0]._module).__name__}")
+        else:
+            lines.extend(k._tree(depth + 1, max_depth) for k in kids)
+        return "\n".join(lines)

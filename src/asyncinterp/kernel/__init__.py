@@ -1,0 +1,24 @@
+"""The kernel: tasks, traps and the scheduler. Pure Python, no torch, no anyio."""
+
+from .errors import (
+    AsyncInterpError,
+    ForeignAwaitError,
+    MissedHookPoint,
+    ModulePathError,
+    NotInRunError,
+    OutOfOrderError,
+    ReplacementError,
+    RunCancelled,
+    UnsetFutureError,
+    await_site,
+)
+from .futures import Future
+from .scheduler import Kernel, Task, TaskHandle, current_kernel, current_task
+from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap, Trap, trap
+
+__all__ = [
+    "AsyncInterpError", "ForeignAwaitError", "MissedHookPoint", "ModulePathError", "NotInRunError",
+    "OutOfOrderError", "ReplacementError", "RunCancelled", "UnsetFutureError", "await_site",
+    "Future", "Kernel", "Task", "TaskHandle", "current_kernel", "current_task",
+    "CallTrap", "FutureTrap", "JoinTrap", "PointTrap", "SpawnTrap", "StepTrap", "Trap", "trap",
+]

@@ -1,0 +1,175 @@
+"""The wrapped model: the root envoy plus the entry points that run it.
+
+``ai.wrap(module)`` returns a :class:`Model`. It is the root of the envoy
+tree (``model.layers[3]``) and it runs interventions: ``trace`` in scripts,
+``atrace`` in async code, or a ``with model.trace() as run:`` block with
+several invokes batched into one forward. Subclasses (language models, vLLM)
+override how inputs become a forward call and which layout slices the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .batching import batch_inputs
+from .envoy import Envoy
+from .kernel.errors import NotInRunError
+from .kernel.scheduler import current_kernel
+from .order import CallOrder, OrderRecorder
+from .run import Run
+from .tasks import Steps
+
+_NOTHING = object()
+
+
+class _ModelLock:
+    """One run per model at a time, with a clear error for re-entry from the same thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner = None
+
+    def acquire(self, timeout):
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError(
+                "this model is already running a trace in this thread (a trace started from inside an "
+                "intervention?); run it after the current trace ends, or use a session")
+        ok = self._lock.acquire(timeout=timeout)
+        if ok:
+            self._owner = me
+        return ok
+
+    def release(self):
+        self._owner = None
+        self._lock.release()
+
+
+class Trace(Run):
+    """A run being built: ``with model.trace() as run: run.invoke(...)`` executes on exit."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and not self.done:
+            self.run()
+        return False
+
+    def run(self):
+        """Execute the forward with every invoke added so far; returns ``self``."""
+        if self.done:
+            raise RuntimeError("this trace has already run; build a new one with model.trace()")
+        self.model._execute(self)
+        return self
+
+    async def arun(self):
+        """Like :meth:`run`, from async code (the forward runs in a worker thread)."""
+        from .aio import run_in_thread
+        if self.done:
+            raise RuntimeError("this trace has already run; build a new one with model.trace()")
+        await run_in_thread(self.model, self)
+        return self
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        if exc_type is None and not self.done:
+            await self.arun()
+        return False
+
+
+class Model(Envoy):
+    """Root envoy of a wrapped ``nn.Module`` and the entry points to run it."""
+
+    lock_timeout = 600.0
+
+    def __init__(self, module, envoys: dict | None = None):
+        Envoy.__init__(self, module, "")
+        d = self.__dict__
+        d["_lock"] = _ModelLock()
+        d["_call_order"] = None
+        d["_envoy_classes"] = dict(envoys or {})
+
+    # ------------------------------------------------------------ structure
+    def _envoy_class_for(self, module):
+        classes = self._envoy_classes
+        if classes:
+            for cls in type(module).__mro__:
+                if cls in classes:
+                    return classes[cls]
+        return Envoy
+
+    def _start_order_recording(self):
+        order = CallOrder()
+        self.__dict__["_call_order"] = order
+        return OrderRecorder(self._module, order).__enter__()
+
+    def _finish_order_recording(self, recorder):
+        if not recorder.order.complete:
+            self.__dict__["_call_order"] = None
+
+    # -------------------------------------------------------------- running
+    def _new_run(self, **options) -> Trace:
+        return Trace(self, **options)
+
+    def _prepare(self, run):
+        """Batch the invokes' inputs, set the run's layout, return the forward callable."""
+        args, kwargs, layout = batch_inputs([inv.input for inv in run.invokes])
+        run.layout = layout
+        module = self._module
+        return lambda: module(*args, **kwargs)
+
+    def _execute(self, run):
+        forward = self._prepare(run)
+        run.execute(forward)
+
+    def trace(self, input=_NOTHING, *fns, on_error: str = "stop", **kwargs):
+        """Run one forward pass with interventions.
+
+        ``model.trace(x, fn)`` returns what ``fn`` returns (a tuple for several
+        functions). ``model.trace()`` returns a :class:`Trace` to fill with
+        ``run.invoke(input, fn)`` inside a ``with`` block.
+        """
+        run = self._new_run(on_error=on_error)
+        if input is _NOTHING and not fns:
+            return run
+        inv = run.invoke(None if input is _NOTHING else input, *fns, **kwargs)
+        run.run()
+        if not inv.fns:
+            return run.output
+        return inv.result
+
+    async def atrace(self, input=_NOTHING, *fns, on_error: str = "stop", **kwargs):
+        """``trace`` for async code: the forward runs in a worker thread, the event loop stays free.
+
+        Cancelling the awaiting task stops the forward at its next hook point.
+        """
+        from .aio import run_in_thread
+        run = self._new_run(on_error=on_error)
+        if input is _NOTHING and not fns:
+            raise TypeError("atrace needs an input and an intervention; for several invokes use "
+                            "`async with model.trace() as run:` or `await run.arun()`")
+        inv = run.invoke(None if input is _NOTHING else input, *fns, **kwargs)
+        await run_in_thread(self, run)
+        if not inv.fns:
+            return run.output
+        return inv.result
+
+    # ---------------------------------------------------- inside a run only
+    def stop(self) -> None:
+        """Stop the model after the current hook point; results of finished interventions are kept."""
+        kernel = current_kernel()
+        if kernel is None:
+            raise NotInRunError("model.stop() can only be called inside an intervention")
+        kernel.host.stop()
+
+    def steps(self, limit: int | None = None) -> Steps:
+        """``async for step in m.steps():`` one iteration per forward pass (generation step)."""
+        return Steps(limit)
+
+
+def wrap(module, envoys: dict | None = None) -> Model:
+    """Wrap any ``nn.Module``. The module itself is not modified."""
+    return Model(module, envoys=envoys)

@@ -1,0 +1,91 @@
+"""Module call order: knowing that a point has already run without hooking it.
+
+A task resumed at ``layers[5].output`` that awaits ``layers[3].output`` must
+fail at once (out of order), even though nobody hooked layer 3. The hook
+layer knows exact counts only for points it hooks, so the first run of every
+wrapped model records, once, the order in which modules are entered and left
+(global module hooks, this thread, the first top-level pass only). Later runs
+answer "has this point already run?" from that record; while the record is
+being made, from the live record.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.nn.modules import module as _torch_module
+
+
+class CallOrder:
+    """Enter/exit indices of each module's first call in one forward pass."""
+
+    def __init__(self):
+        self.enter = {}   # module -> index
+        self.exit = {}
+        self.complete = False
+
+    def position(self, module, kind: str):
+        """Index of a point in the pass (``None`` if the module never ran)."""
+        table = self.exit if kind == "output" else self.enter
+        return table.get(module)
+
+    def already_ran(self, module, kind, current_module, current_kind) -> bool:
+        """Whether point (module, kind) comes before the current point in the pass."""
+        target = self.position(module, kind)
+        if target is None:
+            return False
+        now = self.position(current_module, current_kind)
+        if now is None:
+            return False
+        return target < now
+
+
+class OrderRecorder:
+    """Records a :class:`CallOrder` for one pass of ``root`` on this thread."""
+
+    def __init__(self, root: torch.nn.Module, order: CallOrder):
+        self.root = root
+        self.order = order
+        self.members = {id(m) for m in root.modules()}
+        self.thread = threading.get_ident()
+        self.counter = 0
+        self.depth = 0
+        self.done = False
+        self.handles = []
+
+    def __enter__(self):
+        self.handles.append(_torch_module.register_module_forward_pre_hook(self._pre))
+        self.handles.append(_torch_module.register_module_forward_hook(self._post))
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def stop(self):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _pre(self, module, args):
+        if self.done or id(module) not in self.members or threading.get_ident() != self.thread:
+            return None
+        self.counter += 1
+        self.order.enter.setdefault(module, self.counter)
+        if module is self.root:
+            self.depth += 1
+        return None
+
+    def _post(self, module, args, output):
+        if self.done or id(module) not in self.members or threading.get_ident() != self.thread:
+            return None
+        self.counter += 1
+        self.order.exit.setdefault(module, self.counter)
+        if module is self.root:
+            self.depth -= 1
+            if self.depth == 0:
+                self.order.complete = True
+                self.done = True
+                self.stop()
+        return None
