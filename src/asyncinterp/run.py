@@ -108,6 +108,9 @@ class Run:
     """Executes a forward pass (or a generation) with interventions attached."""
 
     def __init__(self, model, layout: Layout | None = None, on_error: str = "stop"):
+        if on_error not in ("stop", "continue"):
+            raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
+                             f"(it fails only its own invoke), got {on_error!r}")
         self.model = model                 # the root envoy (a Model)
         self.layout = layout or Layout()
         self.on_error = on_error
@@ -337,8 +340,9 @@ class Run:
             lock.release()
         self.done = True
         failures = kernel.failures
-        if failures:
+        if failures and self.on_error == "stop":
             self._raise(failures)
+        # on_error="continue": each failure stays with its own invoke (invoke.result raises it)
 
     def _cleanup(self):
         kernel = self.kernel
