@@ -299,6 +299,13 @@ class Kernel:
                     self._finish_task(task, stop.value, None)
                     return
                 except BaseException as err:  # noqa: BLE001 - tasks may raise anything
+                    if isinstance(err, RuntimeError) and "no running event loop" in str(err):
+                        foreign = ForeignAwaitError(
+                            f"intervention {task.name!r} used asyncio at {await_site(coro)}: interventions run "
+                            "inside the model's forward pass, where no event loop runs. Use "
+                            "`await ai.in_loop(fn, *args)` under atrace to run async code of your app.")
+                        foreign.__cause__ = err
+                        err = foreign
                     self._finish_task(task, None, err)
                     return
                 value = exc = None
