@@ -23,6 +23,7 @@ async def run_in_thread(model, run) -> None:
     """Execute ``run`` in a worker thread; propagate cancellation into the forward."""
     box = {}
     finished = anyio.Event()
+    run.cancellable = True
 
     async def worker():
         try:

@@ -120,6 +120,7 @@ class Run:
         self.output = None
         self.stopped = False
         self.cancelled = False
+        self.cancellable = False           # set by the aio layer: add cancellation checkpoints
         self._handles = []
         self._installed = set()
         self._kept = set()
@@ -166,6 +167,16 @@ class Run:
             self._kept.add(e._module)
             self._handles.append(e._module.register_forward_pre_hook(self._keepalive))
             e = e._parent
+        if self.cancellable:
+            # async runs: siblings along the path check for cancellation too, so
+            # a cancel lands at the next layer rather than at the awaited point
+            e = envoy
+            while e._parent is not None:
+                for sibling in e._parent._module._modules.values():
+                    if sibling is not None and sibling not in self._kept:
+                        self._kept.add(sibling)
+                        self._handles.append(sibling.register_forward_pre_hook(self._keepalive))
+                e = e._parent
 
     def _keepalive(self, module, args):
         if self.cancelled:
