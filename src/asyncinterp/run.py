@@ -19,6 +19,7 @@ from .kernel.errors import (
     ReplacementError,
     RunCancelled,
 )
+from .envoy import HookPoint
 from .kernel.scheduler import Kernel
 from .order import OrderRecorder
 from .views import Layout, check_replacement
@@ -128,6 +129,7 @@ class Run:
         self._skips = {}
         self._adhoc = 0
         self._recording = None
+        self._taps = {}                    # point key -> callbacks seeing each firing's final value
 
     # ------------------------------------------------------------- building
     def invoke(self, input=None, *fns, **kwargs) -> Invoke:
@@ -142,6 +144,8 @@ class Run:
 
     # --------------------------------------------------------- kernel host
     def activate(self, trap, task) -> None:
+        if not isinstance(trap, HookPoint):  # extension points (gradients, source points) install themselves
+            return trap.activate_in(self, task)
         envoy = trap.envoy
         if envoy._root is not self.model:
             raise NotInRunError(
@@ -186,8 +190,13 @@ class Run:
         order = self.model._call_order
         if order is None:
             return False
-        return order.already_ran(trap.envoy._module, trap.base_kind,
-                                 current_point.envoy._module, current_point.base_kind)
+        if type(trap) is HookPoint and type(current_point) is HookPoint:
+            return order.already_ran(trap.envoy._module, trap.base_kind,
+                                     current_point.envoy._module, current_point.base_kind)
+        target, now = _order_position(trap), _order_position(current_point)
+        if target is None or now is None:
+            return False
+        return order.already_ran(target[0], target[1], now[0], now[1])
 
     def _output_hook(self, point):
         kernel = self.kernel
@@ -210,9 +219,15 @@ class Run:
                     del active[point]
                 else:
                     active[point] = prev
-            if kernel.interrupted or self.cancelled:
+            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
                 raise _Interrupt()
-            return firing.result()
+            result = firing.result() if firing.replaced else None
+            taps = self._taps.get(point)
+            if taps is not None:
+                final = output if result is None else result
+                for tap in taps:
+                    tap(final)
+            return result
         return hook
 
     def _input_hook(self, point):
@@ -232,14 +247,53 @@ class Run:
                     del active[point]
                 else:
                     active[point] = prev
-            if kernel.interrupted or self.cancelled:
+            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
                 raise _Interrupt()
             new = firing.result()
+            taps = self._taps.get(point)
+            if taps is not None:
+                final = (args, kwargs) if new is None else new
+                for tap in taps:
+                    tap(final)
             if new is None:
                 return None
             new_args, new_kwargs = new
             return tuple(new_args), dict(new_kwargs)
         return hook
+
+    def tap(self, point, callback) -> None:
+        """Call ``callback(value)`` after every firing of base point ``point`` in this run.
+
+        ``value`` is the full (batched) value as the model continues with it,
+        after the firing's replacements. Used by caches and gradient capture;
+        installs the point's hook like an await would.
+        """
+        self.activate(point, None)
+        self._taps.setdefault(point.key, []).append(callback)
+
+    def fire(self, point, value, interrupt: bool = True):
+        """Deliver ``value`` at an extension point (gradient, source point) to its waiting tasks.
+
+        Returns the merged replacement, or ``None`` if no task replaced it.
+        ``interrupt=False`` leaves stopping to the next module hook (for
+        firings inside a backward pass).
+        """
+        kernel = self.kernel
+        firing = _Firing(point, value, self.layout)
+        key = point.key
+        active = self._active
+        prev = active.get(key)
+        active[key] = firing
+        try:
+            kernel.provide(key, firing.view_for)
+        finally:
+            if prev is None:
+                del active[key]
+            else:
+                active[key] = prev
+        if interrupt and (kernel.interrupted or self.cancelled):
+            raise _Interrupt()
+        return firing.result()
 
     def replace(self, trap, task, value) -> None:
         firing = self._active.get(trap.key)
@@ -365,6 +419,7 @@ class Run:
         self._installed.clear()
         self._kept.clear()
         self._active.clear()
+        self._taps.clear()
         self._skips.clear()
 
     def _raise(self, failures):
@@ -382,6 +437,14 @@ class _ForwardRestore:
 
     def remove(self):
         _restore_forward(self.module, self.original)
+
+
+def _order_position(point):
+    """``(module, kind)`` of a point in the recorded call order, or ``None`` if it has no place there."""
+    custom = getattr(point, "order_position", None)
+    if custom is not None:
+        return custom()
+    return point.envoy._module, point.base_kind
 
 
 def _restore_forward(module, original):

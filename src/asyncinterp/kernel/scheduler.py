@@ -149,15 +149,21 @@ class Kernel:
         entries = self.waiters.get(key)
         if not entries:
             return
-        due = [e for e in entries if e[1] == n]
-        if not due:
-            return
-        if len(due) == len(entries):
+        if len(entries) == 1:
+            if entries[0][1] != n:
+                return
+            due = entries
             del self.waiters[key]
         else:
-            self.waiters[key] = [e for e in entries if e[1] != n]
-        if len(due) > 1:
-            due.sort(key=_order_of)
+            due = [e for e in entries if e[1] == n]
+            if not due:
+                return
+            if len(due) == len(entries):
+                del self.waiters[key]
+            else:
+                self.waiters[key] = [e for e in entries if e[1] != n]
+            if len(due) > 1:
+                due.sort(key=_order_of)
         previous = self.current_point
         self.current_point = due[0][2]
         try:
@@ -170,10 +176,11 @@ class Kernel:
                 try:
                     value = get_value(task, trap)
                 except Exception as exc:  # a view that cannot be built: the task's problem
-                    self.ready.append((task, None, exc))
+                    self._step(task, None, exc)
                 else:
-                    self.ready.append((task, value, None))
-                self.drain()
+                    self._step(task, value, None)
+                if self.ready:
+                    self.drain()
         finally:
             self.current_point = previous
 
