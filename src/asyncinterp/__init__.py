@@ -29,6 +29,8 @@ from .model import Model, Trace, wrap
 from .run import Invoke, Run, RunStopped
 from .tasks import Steps, gather, spawn
 from .views import BatchLayout, Layout
+from .grad import GradPoint, backward
+from .cache import Cache, cache
 
 __version__ = "0.1.0"
 
@@ -37,4 +39,5 @@ __all__ = [
     "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "Steps", "Trace", "UnsetFutureError",
     "gather", "in_loop", "point", "spawn", "wrap",
+    "GradPoint", "backward", "Cache", "cache",
 ]

@@ -61,6 +61,16 @@ class HookPoint(PointTrap):
 
     set = replace
 
+    @property
+    def grad(self):
+        """The gradient at this point during a backward pass started in the run (see asyncinterp.grad)."""
+        from .grad import grad_point
+        return grad_point(self)
+
+    @grad.setter
+    def grad(self, value):
+        self.grad.replace(value)
+
 
 class point:
     """Descriptor declaring a hook point on an :class:`Envoy` subclass.

@@ -165,6 +165,11 @@ class Model(Envoy):
             raise NotInRunError("model.stop() can only be called inside an intervention")
         kernel.host.stop()
 
+    def backward(self, tensors, **kwargs):
+        """``await m.backward(loss)``: a backward pass that resumes tasks waiting on ``.grad`` points."""
+        from .grad import backward
+        return backward(tensors, **kwargs)
+
     def steps(self, limit: int | None = None) -> Steps:
         """``async for step in m.steps():`` one iteration per forward pass (generation step)."""
         return Steps(limit)

@@ -12,13 +12,17 @@ from .kernel.traps import SpawnTrap, StepTrap, trap
 
 
 def spawn(coro, name: str | None = None):
-    """Start ``coro`` as a sub-task of the current intervention (same invoke).
+    """Start ``coro`` (a coroutine, or any of our awaitables) as a sub-task of the current intervention.
 
     ``handle = await ai.spawn(helper(m))`` returns at once; ``await handle``
     later gives the helper's result (or raises its error).
     """
     if not hasattr(coro, "send"):
-        raise TypeError(f"ai.spawn expects a coroutine object (call your async function), got {coro!r}")
+        if hasattr(coro, "__await__") and not isinstance(coro, type):
+            # a hook point, gradient point or future: wait for it in a sub-task
+            return trap(SpawnTrap(_await(coro), name))
+        raise TypeError(f"ai.spawn expects a coroutine object (call your async function) or an awaitable "
+                        f"such as a hook point, got {coro!r}")
     return trap(SpawnTrap(coro, name))
 
 

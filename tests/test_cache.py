@@ -1,0 +1,109 @@
+"""Activation cache: equals hand-written hooks; filters, keys, steps, options."""
+
+import pytest
+import torch
+
+import asyncinterp as ai
+from asyncinterp.cache import Cache, select
+from conftest import MLP, hook_count
+
+
+@pytest.fixture
+def net():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+
+def _hooks_record(net, names, inputs=False):
+    saved = {}
+    handles = []
+    for name, mod in net.named_modules():
+        if name in names:
+            def out_hook(m, a, o, name=name):
+                saved.setdefault(f"{name}.output", []).append(o.detach())
+            handles.append(mod.register_forward_hook(out_hook))
+            if inputs:
+                def in_hook(m, a, name=name):
+                    saved.setdefault(f"{name}.input", []).append(a[0].detach())
+                handles.append(mod.register_forward_pre_hook(in_hook))
+    return saved, handles
+
+
+def test_cache_equals_hand_written_hooks(net):
+    x = torch.randn(3, 8)
+    model = ai.wrap(net)
+    c = ai.cache(model, x, "layers.*", inputs=True)
+    names = [f"layers.{i}" for i in range(6)]
+    saved, handles = _hooks_record(net, names, inputs=True)
+    net(x)
+    for h in handles:
+        h.remove()
+    assert set(c.keys()) == set(saved)
+    for k, (v,) in saved.items():
+        assert torch.equal(c[k], v)
+    assert torch.equal(c.layers[2].output, saved["layers.2.output"][0])
+    assert torch.equal(c["layers.2"].input, saved["layers.2.input"][0])
+    assert hook_count(net) == 0
+
+
+def test_filters(net):
+    model = ai.wrap(net)
+    paths = lambda spec: [e.path for e in select(model, spec)]
+    assert paths("layers.*") == [f"layers.{i}" for i in range(6)]
+    assert paths("layers.**") == [p for p, _ in net.named_modules() if p.startswith("layers.")]
+    assert paths(["embed", "head"]) == ["embed", "head"]
+    assert paths([model.layers[1], "head"]) == ["layers.1", "head"]
+    assert paths(lambda p, m: isinstance(m, torch.nn.Tanh)) == [f"layers.{i}.1" for i in range(6)]
+    assert "" not in paths(None) and len(paths(None)) == len(list(net.modules())) - 1
+    with pytest.raises(ValueError, match="do not exist"):
+        select(model, ["layerz.1"])
+
+
+def test_cache_in_invokes_sees_own_rows_and_composes(net):
+    x1, x2 = torch.randn(2, 8), torch.randn(3, 8)
+    model = ai.wrap(net)
+    c1, c2 = Cache(["layers.4"]), Cache(["layers.4"])
+
+    async def ablate(m):
+        h = await m.layers[1].output
+        h[:] = 0
+
+    with model.trace() as run:
+        run.invoke(x1, c1, ablate)
+        run.invoke(x2, c2)
+    full = {}
+    h1 = net.layers[1].register_forward_hook(lambda m, a, o: (o[:2].zero_(), None)[1])
+    h4 = net.layers[4].register_forward_hook(lambda m, a, o: full.setdefault("o", o.detach()))
+    net(torch.cat([x1, x2]))
+    h1.remove(); h4.remove()
+    assert torch.equal(c1.layers[4].output, full["o"][:2])
+    assert torch.equal(c2.layers[4].output, full["o"][2:])
+
+
+def test_detach_device_clone(net):
+    x = torch.randn(2, 8, requires_grad=True)
+    model = ai.wrap(net)
+    c = ai.cache(model, x, ["layers.0"], detach=False)
+    assert c.layers[0].output.requires_grad
+    c = ai.cache(model, x, ["layers.0"], device="cpu", clone=True)
+    assert not c.layers[0].output.requires_grad
+    assert "layers.0.output" in repr(c)
+
+
+def test_repeated_calls_give_lists_and_steps(net):
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = net
+
+        def forward(self, x):
+            return self.inner(self.inner(x[:, :8]).repeat(1, 2))
+
+    model = ai.wrap(Twice())
+    x = torch.randn(2, 8)
+    c = ai.cache(model, x, ["inner.head"])
+    vals = c["inner.head.output"]
+    assert isinstance(vals, list) and len(vals) == 2
+    assert c.all("inner.head.output")[1].shape == (2, 4)
+    assert c.steps_of("inner.head.output") == [0, 0]
+    assert len(c.step(0).all("inner.head.output")) == 2
