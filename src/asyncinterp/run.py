@@ -43,12 +43,27 @@ class Invoke:
         self.fns = list(fns)
         self.kwargs = kwargs or {}
         self.tasks = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Thread-safe: close this invoke's interventions at the model's next hook point.
+
+        The other invokes of the run, and the forward itself, go on; this
+        invoke's ``result`` then raises ``RunCancelled``. (``Run.cancel`` stops
+        the whole run instead.)
+        """
+        self.cancelled = True
+        kernel = self.run.kernel
+        if kernel is not None:
+            kernel.cancel_group(self.index)
 
     @property
     def result(self):
         """The intervention's return value (a tuple if the invoke has several)."""
         if not self.run.done:
             raise RuntimeError("the run has not been executed yet; leave the `with model.trace()` block or call run.run()")
+        if self.cancelled:
+            raise RunCancelled(f"invoke {self.index} was cancelled (Invoke.cancel); the other invokes of its run went on")
         values = []
         for t in self.tasks:
             if not t.done or t.closed:
@@ -380,6 +395,10 @@ class Run:
                             f"{_fn_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
                             "must be `async def` functions taking the model envoy")
                     inv.tasks.append(kernel.spawn(coro, inv.index, _fn_name(fn)))
+                if inv.cancelled:
+                    kernel.cancel_group(inv.index)
+            if kernel.cancel_requests:
+                kernel._apply_cancels()
             kernel.drain()
             if kernel.interrupted:
                 raise _Interrupt()

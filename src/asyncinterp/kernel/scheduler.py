@@ -115,6 +115,8 @@ class Kernel:
         self.current_point = None
         self.finished = False
         self.stop_requested = False
+        self.cancel_requests = []  # invoke groups to close at the next hook point (any thread may append)
+        self.ended = set()         # invoke groups whose run ended early (end_group)
         self._seq = 0
 
     # ------------------------------------------------------------------ tasks
@@ -144,6 +146,8 @@ class Kernel:
     # --------------------------------------------------------------- firings
     def provide(self, key, get_value) -> None:
         """A hook point fired: resume its waiters with ``get_value(task, trap)``."""
+        if self.cancel_requests:
+            self._apply_cancels()
         n = self.fired.get(key, 0)
         self.fired[key] = n + 1
         entries = self.waiters.get(key)
@@ -186,6 +190,8 @@ class Kernel:
 
     def begin_step(self) -> None:
         """A new step (forward pass) starts: close the old one, wake step waiters."""
+        if self.cancel_requests:
+            self._apply_cancels()
         self._miss_points("before its step ended")
         self.step += 1
         self.fired.clear()
@@ -199,6 +205,8 @@ class Kernel:
 
     def finish(self) -> None:
         """The model is done: end step loops, fail whatever still waits."""
+        if self.cancel_requests:
+            self._apply_cancels()
         self.finished = True
         for _ in range(1000):
             woke = False
@@ -223,6 +231,62 @@ class Kernel:
             if not woke:
                 break
         self.close()
+
+    # ------------------------------------------------------ per-invoke control
+    def cancel_group(self, group) -> None:
+        """Thread-safe: close every task of invoke ``group`` at the next hook point; the others go on.
+
+        Closing runs the tasks' ``finally`` blocks on the model's thread. Only
+        a list append happens here, so any thread (an event loop whose request
+        was cancelled) may call it while the forward runs.
+        """
+        self.cancel_requests.append(group)
+
+    def _apply_cancels(self):
+        if current_task() is not None:  # a task is executing on this thread (e.g. inside a backward): later
+            return
+        groups = set()
+        while self.cancel_requests:
+            groups.add(self.cancel_requests.pop())
+        for task in self.tasks:
+            if task.group in groups and not task.done:
+                self._close_task(task)
+
+    def end_group(self, group) -> None:
+        """Invoke ``group`` leaves the run early (e.g. its generation is over) while the others go on.
+
+        For that invoke's tasks this is what ``finish`` is for all: step loops
+        end cleanly (the code after them runs), waits on hook points fail with
+        ``MissedHookPoint``; later awaits behave as after the end of the run.
+        Call it from the model's thread, between hook firings.
+        """
+        self.ended.add(group)
+        for _ in range(1000):
+            woke = False
+            keep = []
+            for task in sorted(self.step_waiters, key=lambda t: t.order):
+                if task.group == group and not task.done:
+                    task.waiting = None
+                    self.ready.append((task, None, None))
+                    woke = True
+                elif task.group != group:
+                    keep.append(task)
+            self.step_waiters = keep
+            mine = []
+            for key in list(self.waiters):
+                entries = self.waiters[key]
+                if any(e[0].group == group for e in entries):
+                    mine.extend(e for e in entries if e[0].group == group)
+                    rest = [e for e in entries if e[0].group != group]
+                    if rest:
+                        self.waiters[key] = rest
+                    else:
+                        del self.waiters[key]
+            if mine:
+                woke |= self._miss_entries(mine, "before this invoke's run ended")
+            self.drain()
+            if not woke:
+                break
 
     def close(self) -> None:
         """Close every unfinished task (its ``finally`` blocks run) and drop waiters.
@@ -261,7 +325,12 @@ class Kernel:
             return False
         entries = [e for lst in self.waiters.values() for e in lst]
         self.waiters.clear()
+        self._miss_entries(entries, when)
+        return True
+
+    def _miss_entries(self, entries, when: str) -> bool:
         entries.sort(key=_order_of)
+        woke = False
         for task, call, trap in entries:
             if task.done or task.waiting is not trap:
                 continue
@@ -275,7 +344,8 @@ class Kernel:
                 f"{trap.describe()}{nth}, awaited at {await_site(task.coro)}, never ran {when} "
                 f"(step {self.step}){hint}")
             self.ready.append((task, None, err))
-        return True
+            woke = True
+        return woke
 
     def _future_done(self, task, fut):
         if task.waiting is not None and isinstance(task.waiting, FutureTrap) and task.waiting.future is fut:
@@ -334,7 +404,7 @@ class Kernel:
                         fut._add_waiter(self, task)
                         return
                 elif isinstance(t, StepTrap):
-                    if self.finished:
+                    if self.finished or (self.ended and task.group in self.ended):
                         value = None
                     else:
                         task.waiting = t
@@ -366,6 +436,9 @@ class Kernel:
             _leave(prev)
 
     def _wait_point(self, task, trap):
+        if self.ended and task.group in self.ended:
+            return MissedHookPoint(f"{trap.describe()}, awaited at {await_site(task.coro)}, "
+                                   "cannot run: this invoke's run has already ended")
         key = trap.key
         call = task.consumed.get(key, 0)
         fired = self.fired.get(key, 0)
