@@ -31,6 +31,7 @@ from .tasks import Steps, gather, spawn
 from .views import BatchLayout, Layout
 from .grad import GradPoint, backward
 from .cache import Cache, cache
+from .scan import ShapeInfo, Shapes, scan
 
 __version__ = "0.1.0"
 
@@ -39,5 +40,5 @@ __all__ = [
     "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "Steps", "Trace", "UnsetFutureError",
     "gather", "in_loop", "point", "spawn", "wrap",
-    "GradPoint", "backward", "Cache", "cache",
+    "GradPoint", "backward", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
 ]

@@ -228,6 +228,12 @@ class Envoy:
             out.extend(c.modules())
         return out
 
+    @property
+    def source(self):
+        """The calls inside this module's forward as hook points; print it to list them (see asyncinterp.source)."""
+        from .source import source_of
+        return source_of(self)
+
     # ------------------------------------------------------------ control
     def skip(self, value) -> None:
         """Do not run this module on its next call; it outputs ``value`` instead.

@@ -122,8 +122,36 @@ class Model(Envoy):
         return lambda: module(*args, **kwargs)
 
     def _execute(self, run):
+        if self.__dict__.get("_edits"):
+            from .edit import apply_edits
+            apply_edits(self, run)
         forward = self._prepare(run)
         run.execute(forward)
+
+    def scan(self, input, fn=None, modules=None, **options):
+        """Shapes and dtypes of hook points from a forward pass with fake tensors (see asyncinterp.scan)."""
+        from .scan import scan
+        return scan(self, input, fn, modules, **options)
+
+    # ---------------------------------------------------------------- edits
+    def edit(self, fn, inplace: bool = False) -> "Model":
+        """A model whose every later run also runs ``fn(m)`` on each forward pass (see asyncinterp.edit).
+
+        Returns a new wrapped model over the same module; ``inplace=True``
+        edits this one. ``remove_edits()`` restores the original behaviour.
+        """
+        from .edit import edit
+        return edit(self, fn, inplace=inplace)
+
+    @property
+    def edits(self) -> tuple:
+        """The persistent edits of this model, in the order they run."""
+        return tuple(self.__dict__.get("_edits", ()))
+
+    def remove_edits(self, fn=None) -> None:
+        """Remove every persistent edit (or only ``fn``)."""
+        from .edit import remove_edits
+        remove_edits(self, fn)
 
     def trace(self, input=_NOTHING, *fns, on_error: str = "stop", **kwargs):
         """Run one forward pass with interventions.

@@ -1,0 +1,120 @@
+"""Persistent edits: interventions that apply to every later run of a model until removed.
+
+``edited = model.edit(fn)`` returns a new wrapped model over the same
+``nn.Module`` (nothing on the module changes). Every run of ``edited`` --
+``trace``, invokes, ``generate``, ``atrace`` -- runs ``fn(m)`` on every
+forward pass (each generation step), before the run's own interventions, on
+the whole batch. ``model.edit(fn, inplace=True)`` edits ``model`` itself.
+``remove_edits()`` removes them (all, or one function); since an edit is only
+a task of each run, removing it restores the exact original outputs.
+
+How it works: when a run of an edited model is executed, one invoke without
+input (so it sees every row) is put first, holding one task per edit. Invoke
+order decides who is resumed first at a shared hook point, so the run's own
+interventions see the edited values. Each edit task loops over the run's
+steps (``async for _ in m.steps()``) and calls the edit once per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+from .envoy import Envoy
+from .kernel.traps import PointTrap
+
+__all__ = ["edit", "remove_edits", "apply_edits"]
+
+
+def _check(fn):
+    if inspect.iscoroutine(fn) or not callable(fn):
+        raise TypeError(f"model.edit expects an `async def fn(m)` intervention, got {fn!r}")
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+        raise TypeError(f"{getattr(fn, '__qualname__', fn)!r} is a plain function; an edit is an `async def fn(m)` "
+                        "intervention like those passed to model.trace")
+
+
+def edit(model, fn, inplace: bool = False):
+    """Return ``model`` with ``fn`` applied on every forward pass of every later run (see module docs)."""
+    _check(fn)
+    target = model if inplace else clone(model)
+    target.__dict__["_edits"] = tuple(target.__dict__.get("_edits", ())) + (fn,)
+    return target
+
+
+def remove_edits(model, fn=None) -> None:
+    """Remove every edit of ``model`` (or only ``fn``)."""
+    edits = model.__dict__.get("_edits", ())
+    if fn is None:
+        model.__dict__["_edits"] = ()
+        return
+    if fn not in edits:
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is not an edit of this model; its edits are "
+                         f"{[getattr(e, '__qualname__', e) for e in edits]}")
+    kept = list(edits)
+    kept.remove(fn)
+    model.__dict__["_edits"] = tuple(kept)
+
+
+def apply_edits(model, run) -> None:
+    """Put the model's edits first in ``run`` (called when the run executes)."""
+    edits = model.__dict__.get("_edits")
+    if not edits or getattr(run, "_edits_applied", False):
+        return
+    run._edits_applied = True
+    run.invoke(None, *[_every_step(fn) for fn in edits])
+    run.invokes.insert(0, run.invokes.pop())
+    for i, inv in enumerate(run.invokes):
+        inv.index = i
+
+
+def _every_step(fn):
+    async def edit_task(m):
+        async for _ in m.steps():
+            await fn(m)
+    edit_task.__qualname__ = f"edit {getattr(fn, '__qualname__', repr(fn))}"
+    return edit_task
+
+
+# ------------------------------------------------------------------ cloning
+def clone(model):
+    """A new root envoy over the same module and state, with its own envoy tree."""
+    cls = type(model)
+    new = cls.__new__(cls)
+    d = new.__dict__
+    d.update(model.__dict__)
+    d["_root"] = new
+    d["_children"] = {}
+    d["_points"] = {}
+    memo = {}
+    for k, v in list(d.items()):
+        if k not in ("_root", "_module", "_lock", "_parent"):
+            d[k] = _reroot(v, model, new, memo)
+    return new
+
+
+def _reroot(value, old, new, memo):
+    """Copies of envoys/points hanging off ``old`` (e.g. generation tap points), re-rooted on ``new``."""
+    if id(value) in memo:
+        return memo[id(value)]
+    out = value
+    if isinstance(value, Envoy) and value is not old and value._root is old:
+        e = type(value).__new__(type(value))
+        e.__dict__.update(value.__dict__)
+        e.__dict__["_root"] = new
+        e.__dict__["_children"] = {}
+        e.__dict__["_points"] = {}
+        if value._parent is old:
+            e.__dict__["_parent"] = new
+        out = e
+    elif isinstance(value, PointTrap) and getattr(value, "envoy", None) is not None \
+            and isinstance(value.envoy, Envoy) and value.envoy._root is old:
+        p = copy.copy(value)
+        p.envoy = _reroot(value.envoy, old, new, memo)
+        if getattr(value, "key", None) is value:
+            p.key = p
+        out = p
+    elif type(value) is dict:
+        out = {k: _reroot(v, old, new, memo) for k, v in value.items()}
+    memo[id(value)] = out
+    return out

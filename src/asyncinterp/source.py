@@ -1,0 +1,459 @@
+"""Source-level hook points: the result of one call *inside* a module's ``forward``.
+
+``m.model.layers[0].self_attn.source`` lists every call in the module's
+``forward`` with a name and its line number::
+
+    print(m.model.layers[0].self_attn.source)
+    #  self_q_proj_0          262 |         query_states = self.q_proj(hidden_states).view(...)
+    #  view_0                     |
+    #  ...
+    #  attention_interface_0  276 |         attn_output, attn_weights = attention_interface(
+
+and each call is a hook point like a module's: ``await
+attn.source.attention_interface_0.output`` returns what that call returned
+(here ``(attn_output, attn_weights)``), ``.inputs`` its ``(args, kwargs)``;
+both can be edited in place or replaced, per invoke, in every generation step.
+
+How it works. The first time a module class is asked for its source, its
+``forward`` is re-compiled from ``inspect.getsource`` with every call
+``f(a, b=c)`` rewritten to ``__ai_call__(i, f, a, b=c)`` (same evaluation
+order; compiled with the original file name and line numbers, so tracebacks
+and debuggers show the real source). Nothing is installed: a module whose
+source points nobody awaits runs its original ``forward`` and pays nothing.
+When a task awaits a source point, the run sets the rewritten ``forward`` on
+that module instance only (``module.forward``), with an ``__ai_call__`` that
+calls ``f`` and delivers the result to the kernel only for the calls some
+task waits on; the run removes it when it ends, like its hooks.
+
+Naming: a call of an attribute of ``self`` or of a module (``self.q_proj``,
+``torch.matmul``, ``nn.functional.softmax``) is named by the dotted path with
+``_`` (``self_q_proj``, ``torch_matmul``); a method call on a value
+(``x.view(...)``) by the method (``view``); a plain function by its name
+(``apply_rotary_pos_emb``); then ``_0``, ``_1``... in source order.
+``super()``, ``locals()`` and the like are not rewritten.
+
+Limits: the forward must be a plain Python function whose source is
+available (not a C extension, not defined in a REPL without source); a module
+whose ``forward`` was replaced per instance (accelerate offloading wrappers)
+is refused with a clear error. Awaiting a source point while its module is
+already running applies from the module's next call; the await fails at once
+as out of order instead of waiting.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import threading
+import types
+
+from .kernel.errors import NotInRunError, OutOfOrderError
+from .kernel.scheduler import current_kernel, current_task
+from .kernel.traps import PointTrap
+
+__all__ = ["Source", "SourceOp", "SourcePoint", "source_of", "source_info"]
+
+_FRAME_SENSITIVE = {"super", "locals", "globals", "vars", "eval", "exec", "dir", "_getframe", "currentframe"}
+_CALL = "__ai_call__"
+
+
+class OpInfo:
+    """One call site in a rewritten function."""
+
+    __slots__ = ("index", "name", "lineno", "col", "text")
+
+    def __init__(self, index, name, lineno, col, text):
+        self.index = index
+        self.name = name
+        self.lineno = lineno
+        self.col = col
+        self.text = text
+
+    def __repr__(self):
+        return f"<op {self.name} line {self.lineno}: {self.text}>"
+
+
+class SourceInfo:
+    """A function's rewritten code and its call sites (one per function, cached)."""
+
+    def __init__(self, fn, owner=None):
+        self.wrapped = fn
+        fn = inspect.unwrap(fn)   # decorators are re-applied to the rewritten function in build()
+        self.fn = fn
+        self.owner = owner
+        self.qualname = getattr(fn, "__qualname__", fn.__name__)
+        try:
+            lines, start = inspect.getsourcelines(fn)
+            self.filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
+        except (OSError, TypeError) as exc:
+            raise TypeError(f"the source of {self.qualname} is not available ({exc}); source-level hook points "
+                            "need a forward written in Python in a file") from None
+        self.start = start
+        self.lines = [line.rstrip("\n") for line in lines]
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        ast.increment_lineno(tree, start - 1)
+        funcdef = tree.body[0]
+        if not isinstance(funcdef, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise TypeError(f"{self.qualname} is not a function definition")
+        self.decorators = [compile(ast.fix_missing_locations(ast.Expression(d)), self.filename, "eval")
+                           for d in funcdef.decorator_list] if self.wrapped is not fn else []
+        funcdef.decorator_list = []
+        self.ops = []
+        rewriter = _Rewriter(self.ops, fn.__globals__, owner)
+        funcdef.body = [rewriter.visit(stmt) for stmt in funcdef.body]
+        _strip_signature_evaluation(funcdef)
+        uses_super = rewriter.uses_super
+        if uses_super:
+            funcdef.body.insert(0, ast.copy_location(ast.Expr(ast.Name("__class__", ast.Load())), funcdef.body[0]))
+        self.freevars = [v for v in fn.__code__.co_freevars if v != "__class__"]
+        params = ", ".join([_CALL, "__class__"] + self.freevars)
+        factory = ast.parse(f"def __ai_factory__({params}):\n    pass\n").body[0]
+        factory.body = [funcdef, ast.Return(ast.Name(funcdef.name, ast.Load()))]
+        module = ast.Module(body=[factory], type_ignores=[])
+        ast.fix_missing_locations(module)
+        code = compile(module, self.filename, "exec")
+        self._factory_code = next(c for c in code.co_consts
+                                  if isinstance(c, types.CodeType) and c.co_name == "__ai_factory__")
+        self.by_name = {op.name: op for op in self.ops}
+
+    def build(self, call):
+        """A new function like ``fn`` whose call sites go through ``call(i, f, *args, **kwargs)``."""
+        fn = self.fn
+        factory = types.FunctionType(self._factory_code, fn.__globals__, "__ai_factory__")
+        closure = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in (fn.__closure__ or ()))))
+        new = factory(call, self.owner, *[closure[v] for v in self.freevars])
+        new.__defaults__ = fn.__defaults__
+        new.__kwdefaults__ = fn.__kwdefaults__
+        new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+        new.__qualname__ = self.qualname
+        new.__name__ = fn.__name__
+        new.__doc__ = fn.__doc__
+        new.__module__ = fn.__module__
+        for dec in reversed(self.decorators):
+            new = eval(dec, fn.__globals__)(new)  # noqa: S307 - the module's own decorator expressions
+        return new
+
+    def listing(self, header: str | None = None) -> str:
+        per_line = {}
+        for op in self.ops:
+            per_line.setdefault(op.lineno, []).append(op.name)
+        width = max([len(op.name) for op in self.ops] + [4])
+        out = [header or f"{self.qualname}  ({self.filename}:{self.start})"]
+        for offset, text in enumerate(self.lines):
+            lineno = self.start + offset
+            names = per_line.get(lineno, [])
+            out.append(f" {names[0] if names else '':<{width}}  {lineno:>4} | {text}")
+            for extra in names[1:]:
+                out.append(f" {extra:<{width}}  {'':>4} |")
+        return "\n".join(out)
+
+
+class _Rewriter(ast.NodeTransformer):
+    def __init__(self, ops, fn_globals, owner):
+        self.ops = ops
+        self.globals = fn_globals
+        self.counts = {}
+        self.uses_super = False
+        self.mangle_prefix = f"_{owner.__name__.lstrip('_')}" if owner is not None else None
+
+    def visit_Name(self, node):
+        if node.id == "super":
+            self.uses_super = True
+        node.id = self._mangle(node.id)
+        return node
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        node.attr = self._mangle(node.attr)
+        return node
+
+    def _mangle(self, name):
+        if self.mangle_prefix and name.startswith("__") and not name.endswith("__") and name != _CALL:
+            return self.mangle_prefix + name
+        return name
+
+    def visit_Call(self, node):
+        text = ast.unparse(node)
+        if len(text) > 80:
+            text = text[:77] + "..."
+        func = node.func
+        sensitive = (isinstance(func, ast.Name) and func.id in _FRAME_SENSITIVE) or \
+                    (isinstance(func, ast.Attribute) and func.attr in _FRAME_SENSITIVE)
+        name = None if sensitive else self._name_of(func)
+        self.generic_visit(node)
+        if sensitive:
+            return node
+        n = self.counts.get(name, 0)
+        self.counts[name] = n + 1
+        op = OpInfo(len(self.ops), f"{name}_{n}", node.lineno, node.col_offset, text)
+        self.ops.append(op)
+        call = ast.Call(func=ast.Name(_CALL, ast.Load()),
+                        args=[ast.Constant(op.index), node.func, *node.args], keywords=node.keywords)
+        return ast.copy_location(call, node)
+
+    def _name_of(self, func) -> str:
+        parts = []
+        f = func
+        while isinstance(f, ast.Attribute):
+            parts.append(f.attr)
+            f = f.value
+        if isinstance(f, ast.Name):
+            root = f.id
+            if not parts:
+                return root
+            if root == "self" or isinstance(self.globals.get(root), types.ModuleType):
+                return "_".join([root] + parts[::-1])
+            return parts[0]
+        if parts:
+            return parts[0]
+        return "call"
+
+
+def _strip_signature_evaluation(funcdef):
+    """Defaults and annotations are copied from the original function instead of re-evaluated."""
+    args = funcdef.args
+    args.defaults = [ast.Constant(None) for _ in args.defaults]
+    args.kw_defaults = [None if d is None else ast.Constant(None) for d in args.kw_defaults]
+    for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg]:
+        if a is not None:
+            a.annotation = None
+    funcdef.returns = None
+
+
+_infos = {}
+_infos_lock = threading.Lock()
+
+
+def source_info(fn, owner=None) -> SourceInfo:
+    """The (cached) rewritten form of function ``fn``; ``owner`` is the class it is a method of."""
+    key = (fn, owner)
+    info = _infos.get(key)
+    if info is None:
+        with _infos_lock:
+            info = _infos.get(key)
+            if info is None:
+                info = _infos[key] = SourceInfo(fn, owner)
+    return info
+
+
+def _forward_of(module):
+    cls = type(module)
+    for klass in cls.__mro__:
+        if "forward" in klass.__dict__:
+            return klass.__dict__["forward"], klass
+    raise TypeError(f"{cls.__name__} has no forward method")
+
+
+# --------------------------------------------------------------- envoy side
+class Source:
+    """``envoy.source``: the calls in a module's ``forward``, as hook points (print it to list them)."""
+
+    def __init__(self, envoy):
+        fn, owner = _forward_of(envoy._module)
+        self._envoy = envoy
+        self._info = source_info(fn, owner)
+        self._ops = {}
+
+    @property
+    def ops(self) -> list:
+        """Every call site, in source order."""
+        return [self._op(info) for info in self._info.ops]
+
+    def names(self) -> list:
+        return [op.name for op in self._info.ops]
+
+    def _op(self, info):
+        op = self._ops.get(info.index)
+        if op is None:
+            op = self._ops[info.index] = SourceOp(self, info)
+        return op
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        info = self._info.by_name.get(name)
+        if info is None:
+            import difflib
+            close = difflib.get_close_matches(name, list(self._info.by_name), n=3, cutoff=0.4)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise AttributeError(f"{self._info.qualname} has no call named {name!r}.{hint} "
+                                 f"print({_path(self._envoy)}.source) lists them")
+        return self._op(info)
+
+    def __getitem__(self, name):
+        return self.__getattr__(name)
+
+    def __dir__(self):
+        return list(self._info.by_name)
+
+    def __iter__(self):
+        return iter(self.ops)
+
+    def __len__(self):
+        return len(self._info.ops)
+
+    def __repr__(self):
+        e = self._envoy
+        return self._info.listing(f"{_path(e)}.source: {self._info.qualname}  "
+                                  f"({self._info.filename}:{self._info.start})")
+
+
+class SourceOp:
+    """One call site of a module's forward: ``.output`` and ``.inputs`` hook points."""
+
+    def __init__(self, source, info):
+        self.source = source
+        self.info = info
+        self._output = SourcePoint(self, "output")
+        self._inputs = SourcePoint(self, "inputs")
+
+    @property
+    def output(self) -> "SourcePoint":
+        """What the call returned (assign to replace it for this invoke)."""
+        return self._output
+
+    @output.setter
+    def output(self, value):
+        self._output.replace(value)
+
+    @property
+    def inputs(self) -> "SourcePoint":
+        """``(args, kwargs)`` the call receives (assign to replace them for this invoke)."""
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, value):
+        self._inputs.replace(value)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def line(self) -> int:
+        return self.info.lineno
+
+    @property
+    def code(self) -> str:
+        return self.info.text
+
+    def __repr__(self):
+        return f"<source op {_path(self.source._envoy)}.source.{self.name} (line {self.line}): {self.code}>"
+
+
+def _path(envoy):
+    return envoy._path or "<root>"
+
+
+class SourcePoint(PointTrap):
+    """An awaitable source-level hook point (``envoy.source.<op>.output`` / ``.inputs``)."""
+
+    __slots__ = ("op", "kind", "envoy", "key", "read", "write", "base_kind")
+
+    def __init__(self, op, kind):
+        self.op = op
+        self.kind = kind
+        self.envoy = op.source._envoy
+        self.key = self
+        self.read = None
+        self.write = None
+        self.base_kind = kind
+
+    def describe(self) -> str:
+        return f"{_path(self.envoy)}.source.{self.op.name}.{self.kind}"
+
+    def __repr__(self):
+        return f"<source point {self.describe()} (line {self.op.line})>"
+
+    def order_position(self):
+        # inside the module: after its input, so a point that ran before the module started is out of order
+        return self.envoy._module, "inputs"
+
+    def __await__(self):
+        if current_kernel() is None:
+            raise NotInRunError(f"`await {self.describe()}` outside a run: source points can only be awaited "
+                                "inside an intervention")
+        return (yield self)
+
+    def replace(self, value) -> None:
+        task = current_task()
+        if task is None:
+            raise NotInRunError(f"{self.describe()} can only be replaced from inside an intervention")
+        current_kernel().host.replace(self, task, value)
+
+    set = replace
+
+    def activate_in(self, run, task) -> None:
+        envoy = self.envoy
+        if envoy._root is not run.model:
+            raise NotInRunError(f"{self.describe()} belongs to another wrapped model")
+        patches = run.__dict__.setdefault("_source_patches", {})
+        module = envoy._module
+        patch = patches.get(module)
+        if patch is None:
+            if envoy.inputs.key in run._active:
+                raise OutOfOrderError(
+                    f"awaited {self.describe()} while {_path(envoy)} is starting (at its input): torch has already "
+                    "chosen the forward for this call, so a source point can only be added before the module "
+                    f"starts. Wait for both at once: `x, v = await ai.gather({_path(envoy)}.input, "
+                    f"{_path(envoy)}.source.{self.op.name}.{self.kind})`, or await the source point first")
+            patch = patches[module] = _Patch(run, module, self.op.source._info)
+            if module not in run._kept:
+                run._kept.add(module)
+                run._handles.append(module.register_forward_pre_hook(run._keepalive))
+            run._keep_ancestors(envoy)
+        patch.want(self)
+
+
+class _Patch:
+    """The rewritten forward set on one module for one run, and the calls it delivers."""
+
+    def __init__(self, run, module, info):
+        if "forward" in module.__dict__:
+            raise NotInRunError(
+                f"{type(module).__name__}.forward was replaced on this instance (by another library or a skip "
+                "in this run); source-level hook points need the class's own forward")
+        n = len(info.ops)
+        self.outputs = outputs = [None] * n
+        self.inputs = inputs = [None] * n
+        fire = run.fire
+
+        def __ai_call__(index, fn, *args, **kwargs):
+            if run._adhoc:
+                return fn(*args, **kwargs)
+            p = inputs[index]
+            if p is not None:
+                new = fire(p, (args, kwargs))
+                if new is not None:
+                    args, kwargs = new
+                    args = tuple(args)
+            out = fn(*args, **kwargs)
+            p = outputs[index]
+            if p is not None:
+                new = fire(p, out)
+                if new is not None:
+                    out = new
+            return out
+
+        self.module = module
+        self.forward = types.MethodType(info.build(__ai_call__), module)
+        module.__dict__["forward"] = self.forward
+        run._handles.append(self)
+
+    def want(self, point):
+        table = self.outputs if point.kind == "output" else self.inputs
+        table[point.op.info.index] = point
+
+    def remove(self):
+        if self.module.__dict__.get("forward") is self.forward:
+            del self.module.__dict__["forward"]
+
+
+def source_of(envoy) -> Source:
+    """``envoy.source`` (cached per envoy)."""
+    src = envoy.__dict__.get("_source")
+    if src is None:
+        src = Source(envoy)
+        envoy.__dict__["_source"] = src
+    return src

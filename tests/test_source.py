@@ -1,0 +1,192 @@
+"""Source-level hook points: calls inside a module's forward, equal to a manual re-implementation."""
+
+import math
+
+import pytest
+import torch
+
+import asyncinterp as ai
+from asyncinterp.source import source_info
+from conftest import hook_count
+
+
+def _ids(rows=2, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 100, (rows, T), generator=g)
+
+
+def test_listing_names_lines_and_discovery(llama_hf):
+    m = ai.wrap(llama_hf)
+    src = m.model.layers[0].self_attn.source
+    text = repr(src)
+    names = src.names()
+    for name in ("self_q_proj_0", "apply_rotary_pos_emb_0", "attention_interface_0", "self_o_proj_0"):
+        assert name in names and name in text
+    op = src.attention_interface_0
+    assert "attention_interface(" in op.code and op.line > 0
+    assert f"{op.line:>4} |" in text
+    with pytest.raises(AttributeError, match="attention_interface_0"):
+        src.attention_interfac_0
+    mlp = m.model.layers[0].mlp.source
+    assert mlp.names() == ["self_gate_proj_0", "self_act_fn_0", "self_up_proj_0", "self_down_proj_0"]
+    assert hook_count(llama_hf) == 0 and "forward" not in llama_hf.model.layers[0].self_attn.__dict__
+
+
+def test_gpt2_attention_weights_equal_manual_reimplementation(gpt2_hf):
+    m = ai.wrap(gpt2_hf)
+    ids = _ids()
+
+    async def weights(m):
+        attn = m.transformer.h[1].attn
+        out = await attn.source.attention_interface_0.output
+        return out[1].clone()
+
+    got = m.trace(ids, weights)
+
+    saved = {}
+    attn = gpt2_hf.transformer.h[1].attn
+    h = attn.c_attn.register_forward_hook(lambda mod, a, o: saved.update(qkv=o))
+    gpt2_hf(ids)
+    h.remove()
+    q, k, _ = saved["qkv"].split(attn.split_size, dim=2)
+    B, T, _ = q.shape
+    q = q.view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
+    k = k.view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    want = scores.softmax(-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert "forward" not in attn.__dict__ and hook_count(gpt2_hf) == 0
+
+
+def test_llama_mlp_call_equals_manual(llama_hf):
+    m = ai.wrap(llama_hf)
+    ids = _ids(1, 5)
+
+    async def inner(m):
+        mlp = m.model.layers[2].mlp
+        x, (args, kwargs) = await ai.gather(mlp.input, mlp.source.self_down_proj_0.inputs)
+        return x.clone(), args[0].clone()
+
+    x, got = m.trace(ids, inner)
+    mlp = llama_hf.model.layers[2].mlp
+    with torch.no_grad():
+        want = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+    torch.testing.assert_close(got, want)
+
+
+def test_replacing_a_call_output_equals_hook(llama_hf):
+    m = ai.wrap(llama_hf)
+    ids = _ids(2, 5, seed=3)
+
+    async def ablate(m):
+        attn = m.model.layers[1].self_attn
+        out, weights = await attn.source.attention_interface_0.output
+        attn.source.attention_interface_0.output = (torch.zeros_like(out), weights)
+        return await m.output
+
+    got = m.trace(ids, ablate).logits
+    o_proj = llama_hf.model.layers[1].self_attn.o_proj
+    h = o_proj.register_forward_pre_hook(lambda mod, a: (torch.zeros_like(a[0]),))
+    want = llama_hf(ids).logits
+    h.remove()
+    assert torch.equal(got, want)
+
+
+def test_invokes_see_own_rows_of_source_points(llama_hf):
+    m = ai.wrap(llama_hf)
+    a, b = _ids(1, 5, 1), _ids(2, 5, 2)
+
+    async def read(m):
+        out = await m.model.layers[0].self_attn.source.attention_interface_0.output
+        return out[1].clone()
+
+    with m.trace() as run:
+        ra = run.invoke(a, read)
+        rb = run.invoke(b, read)
+    full = llama_hf(torch.cat([a, b]), output_attentions=True).attentions[0]
+    assert torch.equal(ra.result, full[:1]) and torch.equal(rb.result, full[1:])
+
+
+def test_source_points_across_generation_steps():
+    pytest.importorskip("asyncinterp.models.language")
+    from asyncinterp.models import tiny
+    lm = tiny("llama")
+    shapes = []
+    weights = []
+
+    async def per_step(m):
+        async for step in m.steps():
+            out = await m.model.layers[0].self_attn.source.attention_interface_0.output
+            shapes.append(tuple(out[1].shape))
+            weights.append(out[1].clone())
+
+    gen = lm.generate("The cat sat", per_step, max_new_tokens=3)
+    T = shapes[0][-1]
+    assert shapes == [(1, 2, T, T), (1, 2, 1, T + 1), (1, 2, 1, T + 2)]
+    # the last step's weights equal the model's own attention output for the full sequence
+    seq = gen.sequences if hasattr(gen, "sequences") else None
+    full_ids = lm.tokenizer("The cat sat", return_tensors="pt").input_ids
+    full_ids = torch.cat([full_ids, gen.tokens[:-1].view(1, -1)], dim=1)
+    ref = lm.module(full_ids, output_attentions=True).attentions[0]
+    torch.testing.assert_close(weights[2][0, :, 0], ref[0, :, -1], rtol=1e-5, atol=1e-6)
+    assert "forward" not in lm.module.model.layers[0].self_attn.__dict__
+
+
+def test_out_of_order_and_outside_run(llama_hf):
+    m = ai.wrap(llama_hf)
+
+    async def at_input(m):
+        await m.model.layers[0].mlp.input
+        await m.model.layers[0].mlp.source.self_down_proj_0.output
+
+    with pytest.raises(ai.OutOfOrderError, match="gather"):
+        m.trace(_ids(), at_input)
+
+    async def late(m):
+        await m.model.layers[1].output
+        await m.model.layers[0].self_attn.source.attention_interface_0.output
+
+    with pytest.raises(ai.OutOfOrderError, match="attention_interface_0"):
+        m.trace(_ids(), late)
+    assert "forward" not in llama_hf.model.layers[0].self_attn.__dict__
+
+    async def outside():
+        await m.model.layers[0].self_attn.source.attention_interface_0.output
+
+    with pytest.raises(ai.NotInRunError):
+        outside().send(None)
+
+
+def test_rewrite_keeps_semantics_of_tricky_functions():
+    class Base(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    def make(scale):
+        class Child(Base):
+            __secret = 3
+
+            def forward(self, x, *rest, k: int = 2, **kw):
+                y = super().forward(x) * scale
+                z = [torch.relu(v) for v in (y, -y)]
+                f = lambda t: t.sum()
+                return f(z[0]) + self.__secret + k + len(rest) + len(locals())
+        return Child()
+
+    mod = make(2.0)
+    m = ai.wrap(mod)
+    x = torch.randn(3)
+    want = mod(x)
+    names = m.source.names()
+    assert "torch_relu_0" in names and "f_0" in names and not any(n.startswith("super") for n in names)
+
+    async def read(m):
+        return await m.source.torch_relu_0.output
+
+    relu = m.trace(x, read)
+    assert torch.equal(relu, torch.relu((x + 1) * 2.0))
+    assert torch.equal(m.trace(x), want)
+    info = source_info(type(mod).forward, type(mod))
+    assert info.filename == __file__
