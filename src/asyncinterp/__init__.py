@@ -42,3 +42,14 @@ __all__ = [
     "gather", "in_loop", "point", "spawn", "wrap",
     "GradPoint", "backward", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
 ]
+
+
+def __getattr__(name):
+    # Language-model support needs transformers: imported on first use only.
+    if name in ("LanguageModel", "Generation"):
+        from .models import language, runs
+        return getattr(language, name, None) or getattr(runs, name)
+    if name == "models":
+        import importlib
+        return importlib.import_module(".models", __name__)
+    raise AttributeError(f"module 'asyncinterp' has no attribute {name!r}")

