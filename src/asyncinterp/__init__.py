@@ -32,6 +32,8 @@ from .views import BatchLayout, Layout
 from .grad import GradPoint, backward
 from .cache import Cache, cache
 from .scan import ShapeInfo, Shapes, scan
+from .session import Session
+from . import aliases
 
 __version__ = "0.1.0"
 
@@ -41,6 +43,7 @@ __all__ = [
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "Steps", "Trace", "UnsetFutureError",
     "gather", "in_loop", "point", "spawn", "wrap",
     "GradPoint", "backward", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
+    "Session", "aliases",
 ]
 
 

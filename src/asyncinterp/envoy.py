@@ -180,7 +180,12 @@ class Envoy:
         try:
             return getattr(module, name)
         except AttributeError:
-            raise self._missing(name) from None
+            pass
+        from .aliases import resolve  # standard names (layers, attn, mlp, ...): only looked up on a miss
+        found = resolve(self, name)
+        if found is not None:
+            return found
+        raise self._missing(name) from None
 
     def _missing(self, name):
         names = list(self._module._modules)

@@ -133,6 +133,11 @@ class Model(Envoy):
         from .scan import scan
         return scan(self, input, fn, modules, **options)
 
+    def session(self, keep: bool = False):
+        """A :class:`~asyncinterp.session.Session` whose runs default to this model."""
+        from .session import Session
+        return Session(self, keep=keep)
+
     # ---------------------------------------------------------------- edits
     def edit(self, fn, inplace: bool = False) -> "Model":
         """A model whose every later run also runs ``fn(m)`` on each forward pass (see asyncinterp.edit).

@@ -1,0 +1,121 @@
+"""Standard names: one intervention for GPT-2, Llama and similar families.
+
+Architectures name the same parts differently (``transformer.h`` vs
+``model.layers``, ``attn`` vs ``self_attn``, ``ln_f`` vs ``model.norm``).
+Every envoy also answers to standard names, resolved to the real module::
+
+    async def portable(m):
+        h = await m.layers[3].output          # transformer.h.3 / model.layers.3
+        a = await m.layers[3].attn.output     # .attn / .self_attn
+        return await m.lm_head.output
+
+Standard names (on the model): ``layers``, ``embed``, ``pos_embed``,
+``final_norm``, ``lm_head``; (on a layer): ``attn``, ``mlp``, ``attn_norm``,
+``mlp_norm``; (on an attention block): ``out_proj``; (on an MLP):
+``up_proj``, ``down_proj``. The envoy returned is the real one (its
+``.path`` and error messages use the real path), so awaiting
+``m.layers[3].attn.output`` and ``m.transformer.h[3].attn.output`` is the
+same hook point.
+
+Real names always win: an alias is only looked up when an envoy has no
+child or attribute of that name, so existing code pays nothing. Add names for
+other architectures with :func:`register` (for all models) or
+:func:`set_alias` (for one wrapped model).
+"""
+
+from __future__ import annotations
+
+__all__ = ["STANDARD", "register", "set_alias", "resolve", "standard_names"]
+
+# standard name -> candidate relative paths, tried in order
+STANDARD: dict[str, list[str]] = {
+    # model level
+    "layers": ["model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "transformer.layers",
+               "transformer.blocks", "h", "blocks"],
+    "embed": ["model.embed_tokens", "transformer.wte", "gpt_neox.embed_in", "model.decoder.embed_tokens",
+              "embed_tokens", "wte"],
+    "pos_embed": ["transformer.wpe", "model.decoder.embed_positions", "wpe"],
+    "final_norm": ["model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm",
+                   "norm", "ln_f"],
+    "lm_head": ["lm_head", "embed_out"],
+    # layer level
+    "attn": ["self_attn", "attn", "attention", "self_attention"],
+    "mlp": ["mlp", "feed_forward"],
+    "attn_norm": ["input_layernorm", "ln_1"],
+    "mlp_norm": ["post_attention_layernorm", "ln_2"],
+    # attention / MLP level
+    "out_proj": ["o_proj", "c_proj", "dense"],
+    "up_proj": ["c_fc"],
+    "down_proj": ["c_proj"],
+}
+
+
+def register(name: str, *paths: str) -> None:
+    """Add candidate paths for a standard (or new) name, for every model (tried after the built-in ones)."""
+    STANDARD.setdefault(name, [])
+    for p in paths:
+        if p not in STANDARD[name]:
+            STANDARD[name].append(p)
+
+
+def set_alias(model, name: str, path: str) -> None:
+    """Make ``name`` resolve to ``path`` (relative to the root) on this wrapped model only."""
+    model._root.__dict__.setdefault("_alias_overrides", {})[name] = path
+    if _lookup(model._root, path) is None:
+        raise ValueError(f"{path!r} is not a module path of this model")
+
+
+def _lookup(envoy, path: str):
+    e = envoy
+    for part in path.split("."):
+        if part not in e._module._modules:
+            return None
+        e = e._child(part)
+    return e
+
+
+def resolve(envoy, name: str):
+    """The envoy that standard name ``name`` means below ``envoy``, or ``None``."""
+    if envoy._parent is None:
+        override = envoy.__dict__.get("_alias_overrides", {}).get(name)
+        if override is not None:
+            return _lookup(envoy, override)
+    candidates = STANDARD.get(name)
+    if not candidates:
+        return None
+    for path in candidates:
+        if path == name:
+            continue
+        found = _lookup(envoy, path)
+        if found is not None:
+            return found
+    return None
+
+
+def standard_names(model) -> dict:
+    """``{standard name: real path}`` for the model level and for its first layer (``layers.0.*``)."""
+    out = {}
+    root = model._root
+    for name in ("layers", "embed", "pos_embed", "final_norm", "lm_head"):
+        e = _real_or_alias(root, name)
+        if e is not None:
+            out[name] = e._path
+    layers = _real_or_alias(root, "layers")
+    if layers is not None and len(layers):
+        layer = layers[0]
+        for name in ("attn", "mlp", "attn_norm", "mlp_norm"):
+            e = _real_or_alias(layer, name)
+            if e is not None:
+                out[f"layers.0.{name}"] = e._path
+                for sub in ("out_proj", "up_proj", "down_proj"):
+                    if (name == "attn") == (sub == "out_proj"):
+                        s = _real_or_alias(e, sub)
+                        if s is not None:
+                            out[f"layers.0.{name}.{sub}"] = s._path
+    return out
+
+
+def _real_or_alias(envoy, name):
+    if name in envoy._module._modules:
+        return envoy._child(name)
+    return resolve(envoy, name)
