@@ -107,3 +107,25 @@ def test_repeated_calls_give_lists_and_steps(net):
     assert c.all("inner.head.output")[1].shape == (2, 4)
     assert c.steps_of("inner.head.output") == [0, 0]
     assert len(c.step(0).all("inner.head.output")) == 2
+
+
+def test_cache_across_generation_steps_equals_hooks():
+    pytest.importorskip("asyncinterp.models.language")
+    from asyncinterp.models import tiny
+    lm = tiny("gpt2")
+    net = lm.module
+    cache = ai.Cache(["transformer.h.0", "lm_head"])
+    gen = lm.generate("Hello world", cache, max_new_tokens=3)
+    assert gen.result is cache
+    assert cache.steps_of("transformer.h.0.output") == [0, 1, 2]
+    saved = []
+    h = net.transformer.h[0].register_forward_hook(lambda m, a, o: saved.append(o.detach()))
+    lm.generate("Hello world", max_new_tokens=3)
+    h.remove()
+    vals = cache.all("transformer.h.0.output")
+    assert len(vals) == len(saved) == 3
+    for a, b in zip(vals, saved):
+        assert torch.equal(a, b)
+    step1 = cache.step(1)
+    assert torch.equal(step1.transformer.h[0].output, saved[1])
+    assert step1.lm_head.output.shape[1] == 1

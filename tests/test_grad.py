@@ -90,3 +90,190 @@ def test_zeroing_grad_changes_param_grads_like_a_hook(net):
         assert torch.equal(ours[n], theirs[n]), n
     assert torch.count_nonzero(ours["embed.weight"]) == 0
     assert torch.count_nonzero(ours["head.weight"]) > 0
+
+
+def _hand_grads(net, x, layer, loss_fn=lambda out: out.sum(), grad_hook=None):
+    """Run net with a hand-written forward hook capturing layer output (and optionally a tensor hook)."""
+    saved = {}
+
+    def fwd(mod, a, o):
+        saved["h"] = o
+        if grad_hook is not None:
+            o.register_hook(grad_hook)
+    h = net.layers[layer].register_forward_hook(fwd)
+    out = net(x)
+    h.remove()
+    return saved, out
+
+
+def test_replacing_grad_equals_hook_returning_it(net):
+    x = _x()
+    model = ai.wrap(net)
+    fixed = torch.linspace(-1, 1, 16).expand(3, 16).contiguous()
+
+    async def fn(m):
+        await ai.spawn(replace(m))
+        out = await m.output
+        await m.backward(out.sum())
+
+    async def replace(m):
+        await m.layers[2].output.grad
+        m.layers[2].output.grad = fixed
+
+    net.zero_grad()
+    model.trace(x, fn)
+    ours = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    _, out = _hand_grads(net, x, 2, grad_hook=lambda g: fixed)
+    out.sum().backward()
+    for a, b in zip(ours, [p.grad for p in net.parameters()]):
+        assert torch.equal(a, b)
+
+
+def test_invokes_see_and_change_only_their_rows_of_the_grad(net):
+    x1, x2 = _x(2, 1), _x(3, 2)
+    model = ai.wrap(net)
+    seen = {}
+
+    async def driver(m):
+        out = await m.output
+        await m.backward(out.pow(2).sum())
+
+    async def zero_mine(m):
+        g = await m.layers[3].output.grad
+        seen["a"] = g.clone()
+        g.zero_()
+
+    async def read_mine(m):
+        seen["b"] = (await m.layers[3].output.grad).clone()
+
+    net.zero_grad()
+    with model.trace() as run:
+        run.invoke(x1, zero_mine)
+        run.invoke(x2, read_mine)
+        run.invoke(None, driver)        # whole batch: starts the backward
+    ours = [p.grad.clone() for p in net.parameters()]
+
+    net.zero_grad()
+    full = {}
+
+    def hook(g):
+        full["g"] = g.clone()
+        g = g.clone()
+        g[:2] = 0
+        return g
+    _, out = _hand_grads(net, torch.cat([x1, x2]), 3, grad_hook=hook)
+    out.pow(2).sum().backward()
+    assert torch.equal(seen["a"], full["g"][:2]) and torch.equal(seen["b"], full["g"][2:])
+    for a, b in zip(ours, [p.grad for p in net.parameters()]):
+        assert torch.equal(a, b)
+
+
+def test_same_task_reads_activation_and_its_grad(net):
+    """Attribution-style: activation x gradient for every layer, from one intervention."""
+    x = _x()
+    model = ai.wrap(net)
+
+    async def attribute(m):
+        acts, grads = [], []
+        for layer in m.layers:
+            acts.append(await layer.output)
+            grads.append(await ai.spawn(layer.output.grad))
+        out = await m.output
+        await m.backward(out[:, 0].sum())
+        return [(a * await g).sum().item() for a, g in zip(acts, grads)]
+
+    got = model.trace(x, attribute)
+    saved = []
+    hs = [l.register_forward_hook(lambda mod, a, o: saved.append(o)) for l in net.layers]
+    out = net(x)
+    for h in hs:
+        h.remove()
+    grads = torch.autograd.grad(out[:, 0].sum(), saved)
+    want = [(a * g).sum().item() for a, g in zip(saved, grads)]
+    assert got == want
+
+
+def test_input_grad_equals_autograd(net):
+    x = _x()
+    model = ai.wrap(net)
+
+    async def reader(m):
+        return await m.layers[1].input.grad
+
+    async def driver(m):
+        await m.backward((await m.output).sum())
+
+    with model.trace() as run:
+        inv = run.invoke(x, reader, driver)
+    got = inv.result[0]
+    saved = {}
+    h = net.layers[1].register_forward_pre_hook(lambda mod, a: saved.update(x=a[0]))
+    out = net(x)
+    h.remove()
+    assert torch.equal(got, torch.autograd.grad(out.sum(), saved["x"])[0])
+
+
+def test_grad_point_after_forward_passed_is_out_of_order(net):
+    model = ai.wrap(net)
+
+    async def late(m):
+        out = await m.output
+        await m.layers[1].output.grad
+
+    with pytest.raises(ai.OutOfOrderError, match="ai.spawn"):
+        model.trace(_x(), late)
+
+
+def test_grad_point_under_no_grad_fails_clearly(net):
+    model = ai.wrap(net)
+
+    async def reader(m):
+        await m.layers[1].output.grad
+
+    with torch.no_grad(), pytest.raises(RuntimeError, match="requires grad"):
+        model.trace(_x(), reader)
+
+
+def test_backward_outside_run_and_no_leftover_hooks(net):
+    model = ai.wrap(net)
+    calls = []
+
+    async def reader(m):
+        calls.append(await m.layers[1].output.grad)
+
+    async def driver(m):
+        out = await m.output
+        await m.backward(out.sum(), retain_graph=True)
+        return out
+
+    with model.trace() as run:
+        inv = run.invoke(_x(), reader, driver)
+    out = inv.result[1]
+    out.sum().backward()              # after the run: our tensor hooks are gone
+    assert len(calls) == 1
+    with pytest.raises(ai.NotInRunError):
+        ai.backward(out.sum())
+
+
+def test_grad_on_language_model_trace_equals_autograd():
+    pytest.importorskip("asyncinterp.models.language")
+    from asyncinterp.models import tiny
+    lm = tiny("llama")
+    net = lm.module
+    target = lm.token_id(" Paris") if len(lm.tokenizer) > 1000 else 5
+
+    async def fn(m):
+        g = await ai.spawn(m.layers[1].output.grad)      # standard names work too
+        logits = await m.lm_head.output
+        await m.backward(logits[0, -1, target])
+        return await g
+
+    got = lm.trace("The capital of France is", fn)
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt")
+    saved = {}
+    h = net.model.layers[1].register_forward_hook(lambda mod, a, o: saved.update(h=o))
+    logits = net(**ids).logits
+    h.remove()
+    want = torch.autograd.grad(logits[0, -1, target], saved["h"])[0]
+    assert torch.equal(got, want)

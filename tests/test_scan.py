@@ -92,3 +92,13 @@ def test_scan_runs_interventions_with_fake_tensors():
 
     with pytest.raises(ai.ReplacementError, match="shape"):
         model.scan(torch.randn(3, 8), wrong)
+
+
+def test_scan_language_model_prompt():
+    pytest.importorskip("asyncinterp.models.language")
+    from asyncinterp.models import tiny
+    lm = tiny("llama")
+    shapes = lm.scan(["Hello world", "A much longer prompt here"], "model.layers.*")
+    real = lm.trace(["Hello world", "A much longer prompt here"], ai.Cache("model.layers.*"))
+    for k in real.keys():
+        assert shapes[k].shape == real[k].shape

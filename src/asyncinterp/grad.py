@@ -100,7 +100,9 @@ class GradPoint(PointTrap):
         if self.key in captured:
             return
         kernel = run.kernel
-        if kernel.fired.get(base, 0) and base not in run._active:
+        now = kernel.current_point
+        passed = kernel.fired.get(base, 0) > 0 or (now is not None and run.already_ran(base, now))
+        if passed and base not in run._active:
             raise OutOfOrderError(
                 f"`await {self.describe()}`: {base.describe()} already ran in this forward pass, so its "
                 "gradient can no longer be captured. Await the gradient point before the model reaches the "
