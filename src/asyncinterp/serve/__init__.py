@@ -1,0 +1,30 @@
+"""Serving: many concurrent requests, each with its own intervention, coalesced into shared forward passes.
+
+* :class:`Batcher` — in process: ``await batcher.trace(prompt, fn)`` from many
+  tasks; requests that arrive together run as invokes of one forward.
+* :class:`Server` — the Starlette app (``server.app``) with named, typed
+  interventions (``@server.intervention("steer")``) and, behind a flag,
+  client-submitted source run in a restricted sandbox.
+* :class:`Client` — sync and async HTTP client mirroring local ``trace``.
+* :mod:`.wire` — the msgpack wire format (tensors as dtype/shape/bytes).
+
+See docs/serving.md.
+"""
+
+from .batcher import Batcher, BatcherClosed, BatcherFull, GenerateResult, emit
+from .wire import RemoteError, WireError
+
+
+def __getattr__(name):
+    # the HTTP parts need starlette/httpx (the `serve` extra): imported on first use
+    if name in ("Server", "Param", "Range", "serve_app"):
+        from . import app
+        return getattr(app, name)
+    if name in ("Client", "AsyncClient"):
+        from . import client
+        return getattr(client, name)
+    raise AttributeError(f"module 'asyncinterp.serve' has no attribute {name!r}")
+
+
+__all__ = ["AsyncClient", "Batcher", "BatcherClosed", "BatcherFull", "Client", "GenerateResult", "Param",
+           "Range", "RemoteError", "Server", "WireError", "emit"]

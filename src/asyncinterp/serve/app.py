@@ -1,0 +1,737 @@
+"""The HTTP server: a Starlette app in front of a :class:`~asyncinterp.serve.Batcher`.
+
+    server = ai.serve.Server(model, api_keys=["secret"])
+
+    @server.intervention("steer")
+    async def steer(m, module: ai.serve.ModulePath, strength: Annotated[float, ai.serve.Range(-20, 20)] = 4.0):
+        ...
+
+    server.run(port=8000)          # uvicorn on 127.0.0.1
+
+Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JSON):
+
+* ``GET  /v1/health`` — liveness and queue length (no key needed);
+* ``GET  /v1/model`` — the module tree, the registered interventions and their parameters, limits;
+* ``POST /v1/trace`` — ``{"input", "intervention", "timeout"?}`` → ``{"ok": true, "result"}``;
+* ``POST /v1/generate`` — ``{"input", "intervention"?, "max_new_tokens", "stream"?, "timeout"?}`` →
+  ``{"ok": true, "result", "tokens", "text", "emitted"}``, or with ``"stream": true`` a stream of
+  msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``).
+
+``intervention`` is a registered name, ``{"name", "params"}``, or (only when
+the server allows code) ``{"source", "entry"?, "params"}``.
+
+Statuses: 200 ok; 400 malformed body, invalid parameters, refused code; 401
+missing or wrong API key; 404/405 unknown route; 413 body too large; 422 the
+intervention raised (the error's type, message and own traceback lines come
+back); 503 queue full (with ``Retry-After``); 504 the request's time limit.
+Every request is logged as one structured record on the
+``asyncinterp.serve`` logger.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import inspect
+import json
+import logging
+import time
+import typing
+import uuid
+
+import anyio
+import torch
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import wire
+from .batcher import Batcher, BatcherClosed, BatcherFull
+from .sandbox import ProgramCache, SandboxRefused, SandboxTimeout
+
+log = logging.getLogger("asyncinterp.serve")
+
+MSGPACK = "application/msgpack"
+MSGPACK_STREAM = "application/x-msgpack-stream"
+
+
+# --------------------------------------------------------------------------- typed parameters
+class Range:
+    """``Annotated[float, Range(lo, hi)]``: an inclusive numeric range for a parameter."""
+
+    def __init__(self, lo=None, hi=None):
+        self.lo, self.hi = lo, hi
+
+    def check(self, name, value):
+        if self.lo is not None and value < self.lo or self.hi is not None and value > self.hi:
+            raise BadRequest(f"parameter {name!r} must be in [{self.lo}, {self.hi}], got {value!r}")
+
+    def describe(self):
+        return {"min": self.lo, "max": self.hi}
+
+
+class MaxLen:
+    """``Annotated[str, MaxLen(n)]`` / ``Annotated[list[int], MaxLen(n)]``: a length limit."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def check(self, name, value):
+        if len(value) > self.n:
+            raise BadRequest(f"parameter {name!r} is longer than {self.n}")
+
+    def describe(self):
+        return {"max_len": self.n}
+
+
+class ModulePath(str):
+    """A parameter naming a module of the served model (``"model.layers.3"``); checked against the model."""
+
+
+class BadRequest(ValueError):
+    """A request the server refuses before any model work (HTTP 400)."""
+
+
+_MAX_LIST = 1 << 16
+_MAX_STR = 1 << 16
+
+
+class Param:
+    """One typed parameter of a registered intervention (built from the function's signature)."""
+
+    def __init__(self, name, annotation, default):
+        self.name = name
+        self.default = default
+        self.required = default is inspect.Parameter.empty
+        self.checks = []
+        if typing.get_origin(annotation) is typing.Annotated:
+            args = typing.get_args(annotation)
+            annotation = args[0]
+            self.checks = [a for a in args[1:] if hasattr(a, "check")]
+        self.optional = False
+        origin = typing.get_origin(annotation)
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) != 1 or len(typing.get_args(annotation)) != 2:
+                raise TypeError(f"parameter {name!r}: only Optional[X] unions are supported")
+            self.optional = True
+            annotation = args[0]
+            origin = typing.get_origin(annotation)
+        self.type = annotation
+        self.origin = origin
+        if origin is typing.Literal:
+            self.choices = typing.get_args(annotation)
+        elif origin in (list, tuple):
+            (item,) = typing.get_args(annotation)[:1] or (None,)
+            if item not in (int, float, str, bool):
+                raise TypeError(f"parameter {name!r}: lists must be of int, float, str or bool")
+            self.item = item
+        elif annotation not in (int, float, str, bool, torch.Tensor, ModulePath):
+            raise TypeError(f"parameter {name!r} has unsupported type {annotation!r}; use int, float, bool, str, "
+                            "torch.Tensor, ModulePath, list[int|float|str|bool], Literal[...], Optional[...], "
+                            "optionally Annotated with Range/MaxLen")
+
+    def describe(self) -> dict:
+        t = self.type
+        if self.origin is typing.Literal:
+            kind = {"type": "literal", "choices": list(self.choices)}
+        elif self.origin in (list, tuple):
+            kind = {"type": f"list[{self.item.__name__}]"}
+        elif t is torch.Tensor:
+            kind = {"type": "tensor"}
+        elif t is ModulePath:
+            kind = {"type": "module_path"}
+        else:
+            kind = {"type": t.__name__}
+        out = dict(kind, required=self.required, optional=self.optional)
+        if not self.required and isinstance(self.default, (int, float, str, bool, type(None))):
+            out["default"] = self.default
+        for c in self.checks:
+            out.update(c.describe())
+        return out
+
+    def validate(self, value, model):
+        name = self.name
+        if value is None and self.optional:
+            return None
+        t = self.type
+        if self.origin is typing.Literal:
+            if value not in self.choices or type(value) is bool and not any(c is value for c in self.choices):
+                raise BadRequest(f"parameter {name!r} must be one of {list(self.choices)}, got {_short(value)}")
+        elif self.origin in (list, tuple):
+            if not isinstance(value, (list, tuple)) or len(value) > _MAX_LIST:
+                raise BadRequest(f"parameter {name!r} must be a list of {self.item.__name__}")
+            value = [_scalar(name, self.item, v) for v in value]
+        elif t is torch.Tensor:
+            if not isinstance(value, torch.Tensor):
+                raise BadRequest(f"parameter {name!r} must be a tensor, got {type(value).__name__}")
+        elif t is ModulePath:
+            if not isinstance(value, str) or len(value) > 512:
+                raise BadRequest(f"parameter {name!r} must be a module path (a string)")
+            if value not in _module_paths(model):
+                raise BadRequest(f"parameter {name!r}: the model has no module {value!r} (see GET /v1/model)")
+            value = ModulePath(value)
+        else:
+            value = _scalar(name, t, value)
+        for c in self.checks:
+            c.check(name, value)
+        return value
+
+
+def _scalar(name, t, value):
+    if t is bool:
+        if type(value) is not bool:
+            raise BadRequest(f"parameter {name!r} must be a bool, got {_short(value)}")
+        return value
+    if t is int:
+        if type(value) is not int:
+            raise BadRequest(f"parameter {name!r} must be an int, got {_short(value)}")
+        return value
+    if t is float:
+        if type(value) not in (int, float):
+            raise BadRequest(f"parameter {name!r} must be a number, got {_short(value)}")
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise BadRequest(f"parameter {name!r} must be finite")
+        return value
+    if t is str:
+        if type(value) is not str or len(value) > _MAX_STR:
+            raise BadRequest(f"parameter {name!r} must be a string (at most {_MAX_STR} characters)")
+        return value
+    raise BadRequest(f"parameter {name!r} has an unsupported type")  # pragma: no cover
+
+
+def _short(value, n=60):
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+@functools.lru_cache(maxsize=8)
+def _paths_of(module_id, module):
+    return frozenset(name for name, _ in module.named_modules() if name)
+
+
+def _module_paths(model):
+    module = model.module
+    return _paths_of(id(module), module)
+
+
+class Registered:
+    """A server-registered intervention: the function and its typed parameters."""
+
+    def __init__(self, name, fn, doc=None):
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"intervention {name!r} must be an `async def` taking the model envoy first")
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        if not params:
+            raise TypeError(f"intervention {name!r} must take the model envoy as its first argument")
+        hints = typing.get_type_hints(fn, include_extras=True)
+        self.params = {}
+        for p in params[1:]:
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise TypeError(f"intervention {name!r}: *args/**kwargs are not allowed (parameters are typed)")
+            if p.name not in hints:
+                raise TypeError(f"intervention {name!r}: parameter {p.name!r} needs a type annotation")
+            self.params[p.name] = Param(p.name, hints[p.name], p.default)
+        self.name = name
+        self.fn = fn
+        self.doc = doc or inspect.getdoc(fn) or ""
+
+    def bind(self, params, model):
+        if not isinstance(params, dict):
+            raise BadRequest("params must be a map")
+        unknown = [k for k in params if k not in self.params]
+        if unknown:
+            raise BadRequest(f"intervention {self.name!r} has no parameter(s) {[_short(k) for k in unknown]}; "
+                             f"it takes {sorted(self.params)}")
+        values = {}
+        for pname, p in self.params.items():
+            if pname in params:
+                values[pname] = p.validate(params[pname], model)
+            elif p.required:
+                raise BadRequest(f"intervention {self.name!r} needs parameter {pname!r}")
+        return functools.partial(self.fn, **values)
+
+    def describe(self):
+        return {"doc": self.doc, "params": {k: p.describe() for k, p in self.params.items()}}
+
+
+# --------------------------------------------------------------------------- responses
+class _Fail(Exception):
+    def __init__(self, status, kind, exc_or_msg, headers=None):
+        self.status = status
+        self.kind = kind
+        self.headers = headers
+        if isinstance(exc_or_msg, BaseException):
+            self.error = wire.encode_error(exc_or_msg, kind)
+        else:
+            self.error = {"type": _KIND_TYPES.get(kind, "Error"), "message": str(exc_or_msg), "traceback": [],
+                          "notes": [], "kind": kind}
+        super().__init__(self.error["message"])
+
+
+_KIND_TYPES = {"request": "BadRequest", "auth": "Unauthorized", "too_large": "PayloadTooLarge",
+               "overloaded": "Overloaded", "timeout": "Timeout", "refused": "SandboxRefused",
+               "not_found": "NotFound", "internal": "InternalError", "closed": "Closed"}
+
+
+def _msgpack(obj, status=200, headers=None):
+    return Response(wire.packb(obj), status_code=status, media_type=MSGPACK, headers=headers)
+
+
+def _error_response(fail: _Fail):
+    return _msgpack({"ok": False, "error": fail.error}, fail.status, fail.headers)
+
+
+# --------------------------------------------------------------------------- structured logs
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and the record's ``fields``."""
+
+    def format(self, record):
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+# --------------------------------------------------------------------------- the server
+class Server:
+    """Serve ``model`` over HTTP: named interventions, optional submitted code, dynamic batching.
+
+    ``api_keys``: accepted keys (``Authorization: Bearer KEY`` or
+    ``X-API-Key: KEY``); none means no authentication (only sensible on
+    loopback). ``allow_code``: accept client-submitted ``async def`` source
+    (restricted, see :mod:`.sandbox`). ``timeout``: per-request limit in
+    seconds (clients may ask for less). ``max_body_bytes``: larger bodies get
+    413. ``max_queue``: waiting requests beyond it get 503. Batching:
+    ``max_batch``, ``max_wait_ms``, ``exact`` (see :class:`Batcher`).
+    ``builtin_interventions``: register ``top_k``, ``read``, ``steer`` and
+    ``ablate`` (language models).
+    """
+
+    def __init__(self, model, *, api_keys=None, allow_code: bool = False, max_batch: int = 32,
+                 max_wait_ms: float = 5.0, max_queue: int = 256, timeout: float = 30.0,
+                 max_body_bytes: int = 1 << 20, max_new_tokens: int = 256, max_prompt_tokens: int | None = None,
+                 exact: bool = False, name: str | None = None, builtin_interventions: bool = True,
+                 batcher: Batcher | None = None):
+        self.model = model
+        self.name = name or type(getattr(model, "module", model)).__name__
+        self.api_keys = [k.encode() for k in (api_keys or []) if k]
+        self.allow_code = allow_code
+        self.timeout = float(timeout)
+        self.max_body_bytes = int(max_body_bytes)
+        self.max_new_tokens = int(max_new_tokens)
+        self.is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
+        ctx = getattr(model, "context_length", None)
+        self.max_prompt_tokens = max_prompt_tokens or ctx or 4096
+        self.limits = wire.Limits(max_bytes=self.max_body_bytes)
+        self.batcher = batcher or Batcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
+                                          exact=exact, name=f"serve-{self.name}")
+        self.interventions: dict[str, Registered] = {}
+        self.programs = ProgramCache()
+        self._app = None
+        self._vocab = None
+        if builtin_interventions and self.is_lm:
+            from .builtins import register_builtins
+            register_builtins(self)
+
+    # ------------------------------------------------------------------ registration
+    def intervention(self, name: str | None = None, *, doc: str | None = None):
+        """Decorator: register an ``async def fn(m, **typed_params)`` under ``name`` (default: its name)."""
+
+        def deco(fn):
+            key = name or fn.__name__
+            if key in self.interventions:
+                raise ValueError(f"an intervention named {key!r} is already registered")
+            self.interventions[key] = Registered(key, fn, doc)
+            return fn
+        return deco
+
+    def add_intervention(self, name: str, fn, doc: str | None = None) -> None:
+        self.intervention(name, doc=doc)(fn)
+
+    # ------------------------------------------------------------------ app
+    @property
+    def app(self) -> Starlette:
+        if self._app is None:
+            self._app = self._build_app()
+        return self._app
+
+    def _build_app(self):
+        routes = [
+            Route("/v1/health", self._health, methods=["GET"]),
+            Route("/v1/model", self._model_info, methods=["GET"]),
+            Route("/v1/trace", self._trace, methods=["POST"]),
+            Route("/v1/generate", self._generate, methods=["POST"]),
+        ]
+
+        async def http_error(request, exc):
+            kind = "not_found" if exc.status_code in (404, 405) else "request"
+            return _error_response(_Fail(exc.status_code, kind, exc.detail or "not found"))
+
+        async def shutdown():
+            await self.batcher.aclose()
+
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_shutdown=[shutdown]) \
+            if _takes_on_shutdown() else Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                                                    lifespan=_lifespan(shutdown))
+
+    def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **uvicorn_kwargs) -> None:
+        """Serve with uvicorn (blocking)."""
+        import uvicorn
+        uvicorn.run(self.app, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
+
+    # ------------------------------------------------------------------ endpoint plumbing
+    def _check_key(self, request):
+        if not self.api_keys:
+            return
+        got = request.headers.get("x-api-key")
+        if got is None:
+            auth = request.headers.get("authorization", "")
+            if auth[:7].lower() == "bearer ":
+                got = auth[7:].strip()
+        if not got:
+            raise _Fail(401, "auth", "an API key is required: send `Authorization: Bearer KEY` or `X-API-Key: KEY`",
+                        {"WWW-Authenticate": "Bearer"})
+        given = got.encode("utf-8", "replace")
+        if not any(hmac.compare_digest(given, k) for k in self.api_keys):
+            raise _Fail(401, "auth", "invalid API key", {"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, request) -> bytes:
+        limit = self.max_body_bytes
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                raise _Fail(400, "request", "invalid Content-Length") from None
+            if n > limit:
+                raise _Fail(413, "too_large", f"request body of {n} bytes exceeds the limit of {limit} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _Fail(413, "too_large", f"request body exceeds the limit of {limit} bytes")
+        return bytes(body)
+
+    def _decode(self, body: bytes) -> dict:
+        if not body:
+            raise _Fail(400, "request", "empty body: send a msgpack map")
+        try:
+            obj = wire.unpackb(body, self.limits)
+            wire.check_depth(obj)
+        except wire.WireError as exc:
+            raise _Fail(400, "request", str(exc)) from None
+        if not isinstance(obj, dict):
+            raise _Fail(400, "request", f"the body must be a msgpack map, got {type(obj).__name__}")
+        for k in obj:
+            if not isinstance(k, str):
+                raise _Fail(400, "request", "keys of the request map must be strings")
+        return obj
+
+    def _input(self, value):
+        if self.is_lm:
+            if isinstance(value, str):
+                if not value:
+                    raise _Fail(400, "request", "input: empty prompt")
+                if len(value) > self.max_prompt_tokens * 64:
+                    raise _Fail(400, "request", "input: prompt too long")
+                try:
+                    n = len(self.model.tokenizer(value)["input_ids"])
+                except Exception as exc:  # noqa: BLE001
+                    raise _Fail(400, "request", f"input: cannot tokenize ({type(exc).__name__})") from None
+                if n > self.max_prompt_tokens:
+                    raise _Fail(400, "request", f"input: prompt of {n} tokens exceeds {self.max_prompt_tokens}")
+                return value
+            if isinstance(value, list) and value and all(type(t) is int for t in value):
+                if len(value) > self.max_prompt_tokens:
+                    raise _Fail(400, "request", f"input: {len(value)} tokens exceed {self.max_prompt_tokens}")
+                vocab = self._vocab_size()
+                if any(t < 0 or t >= vocab for t in value):
+                    raise _Fail(400, "request", f"input: token ids must be in [0, {vocab})")
+                return value
+            raise _Fail(400, "request", "input must be a prompt string or a non-empty list of token ids")
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            return tuple(value)
+        raise _Fail(400, "request", "input must be a tensor (or a list of tensors) for this model")
+
+    def _vocab_size(self):
+        if self._vocab is None:
+            emb = self.model.module.get_input_embeddings() if hasattr(self.model.module, "get_input_embeddings") \
+                else None
+            self._vocab = int(emb.num_embeddings) if emb is not None else int(self.model.module.config.vocab_size)
+        return self._vocab
+
+    def _intervention(self, spec, deadline, required=True):
+        """``(fn, on_cancel, label)`` for a request's intervention spec; refuses before any model work."""
+        if spec is None:
+            if required:
+                raise _Fail(400, "request", "an intervention is required: a registered name, {'name', 'params'}"
+                                            + (" or {'source', 'params'}" if self.allow_code else ""))
+            return None, None, None
+        if isinstance(spec, str):
+            spec = {"name": spec}
+        if not isinstance(spec, dict):
+            raise _Fail(400, "request", "intervention must be a name or a map")
+        allowed = {"name", "params", "source", "entry"}
+        extra = [k for k in spec if k not in allowed]
+        if extra:
+            raise _Fail(400, "request", f"unknown intervention field(s) {[_short(k) for k in extra]}")
+        params = spec.get("params", {})
+        if params is None:
+            params = {}
+        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+            raise _Fail(400, "request", "params must be a map with string keys")
+        if "source" in spec:
+            if not self.allow_code:
+                raise _Fail(400, "refused", "this server does not accept submitted code (start it with "
+                                            "--allow-code); use a registered intervention (GET /v1/model)")
+            source, entry = spec["source"], spec.get("entry")
+            if not isinstance(source, str) or (entry is not None and not isinstance(entry, str)):
+                raise _Fail(400, "request", "source and entry must be strings")
+            try:
+                program = self.programs.get(source, entry)
+                fn, clock = program.bind(params, deadline)
+            except SandboxRefused as exc:
+                raise _Fail(400, "refused", str(exc)) from None
+            except Exception as exc:  # noqa: BLE001 - anything else in the module body
+                raise _Fail(400, "refused", f"submitted code failed to load: {type(exc).__name__}: {exc}") from None
+
+            def on_cancel():
+                clock.cancelled = True
+            return fn, on_cancel, f"submitted:{program.entry}"
+        name = spec.get("name")
+        if not isinstance(name, str):
+            raise _Fail(400, "request", "intervention name must be a string")
+        reg = self.interventions.get(name)
+        if reg is None:
+            raise _Fail(400, "request", f"no intervention named {_short(name)}; registered: "
+                                        f"{sorted(self.interventions)}")
+        try:
+            fn = reg.bind(params, self.model)
+        except BadRequest as exc:
+            raise _Fail(400, "request", str(exc)) from None
+        return fn, None, name
+
+    def _timeout(self, obj):
+        t = obj.get("timeout")
+        if t is None:
+            return self.timeout
+        if type(t) not in (int, float) or not (t > 0) or t != t:
+            raise _Fail(400, "request", "timeout must be a positive number of seconds")
+        return min(float(t), self.timeout)
+
+    def _fields(self, obj, allowed):
+        extra = [k for k in obj if k not in allowed]
+        if extra:
+            raise _Fail(400, "request", f"unknown field(s) {[_short(k) for k in extra]}; allowed: {sorted(allowed)}")
+
+    async def _guarded(self, request, kind, work):
+        """Auth, logging and error mapping around one endpoint; ``work()`` returns a Response."""
+        t0 = time.perf_counter()
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        fields = {"event": kind, "request_id": rid[:64], "path": request.url.path,
+                  "client": request.client.host if request.client else None}
+        status = 500
+        try:
+            self._check_key(request)
+            response = await work(fields)
+            status = response.status_code
+        except _Fail as fail:
+            status = fail.status
+            fields["error"] = fail.error.get("type")
+            fields["error_kind"] = fail.kind
+            response = _error_response(fail)
+        except Exception as exc:  # noqa: BLE001 - never crash; report
+            log.exception("internal error", extra={"fields": {"request_id": rid}})
+            status = 500
+            fields["error"] = type(exc).__name__
+            response = _error_response(_Fail(500, "internal", f"internal server error ({type(exc).__name__})"))
+        fields["status"] = status
+        fields["ms"] = round(1000 * (time.perf_counter() - t0), 2)
+        response.headers["x-request-id"] = rid[:64]
+        log.info(kind, extra={"fields": fields})
+        return response
+
+    async def _until_disconnect(self, request, fn):
+        """Run ``fn()``; if the client disconnects first, cancel it (its request is cancelled in the batcher)."""
+        outcome = {}
+
+        async def watch(scope):
+            while True:
+                message = await request.receive()
+                if message.get("type") == "http.disconnect":
+                    outcome["disconnected"] = True
+                    scope.cancel()
+                    return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            try:
+                outcome["value"] = await fn()
+            except (Exception, SandboxTimeout) as exc:
+                outcome["exc"] = exc
+            finally:
+                tg.cancel_scope.cancel()
+        return outcome
+
+    def _run_error(self, exc, fields) -> _Fail:
+        if isinstance(exc, BatcherFull):
+            return _Fail(503, "overloaded", str(exc), {"Retry-After": "1"})
+        if isinstance(exc, BatcherClosed):
+            return _Fail(503, "closed", str(exc), {"Retry-After": "1"})
+        if isinstance(exc, (TimeoutError, SandboxTimeout)):
+            return _Fail(504, "timeout", "the request's time limit was reached; its intervention was closed")
+        if isinstance(exc, wire.WireError):
+            return _Fail(422, "intervention", exc)
+        return _Fail(422, "intervention", exc)
+
+    # ------------------------------------------------------------------ endpoints
+    async def _health(self, request):
+        return JSONResponse({"status": "ok", "model": self.name, "queue": self.batcher.queue_size(),
+                             "batches": self.batcher.stats["batches"]})
+
+    async def _model_info(self, request):
+        async def work(fields):
+            module = self.model.module
+            modules = [[n, type(m).__name__] for n, m in module.named_modules() if n][:20000]
+            info = {
+                "model": self.name, "class": type(module).__name__, "language_model": self.is_lm,
+                "modules": modules,
+                "interventions": {k: v.describe() for k, v in self.interventions.items()},
+                "allow_code": self.allow_code,
+                "allowed_imports": list(__import__("asyncinterp.serve.sandbox", fromlist=["x"]).ALLOWED_MODULES)
+                if self.allow_code else [],
+                "limits": {"max_body_bytes": self.max_body_bytes, "timeout": self.timeout,
+                           "max_new_tokens": self.max_new_tokens, "max_prompt_tokens": self.max_prompt_tokens,
+                           "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue},
+            }
+            return JSONResponse(info)
+        try:
+            self._check_key(request)
+        except _Fail as fail:
+            return JSONResponse({"ok": False, "error": fail.error}, fail.status, fail.headers)
+        return await work({})
+
+    async def _trace(self, request):
+        async def work(fields):
+            obj = self._decode(await self._read_body(request))
+            self._fields(obj, {"input", "intervention", "timeout"})
+            if "input" not in obj:
+                raise _Fail(400, "request", "missing field 'input'")
+            x = self._input(obj["input"])
+            timeout = self._timeout(obj)
+            fn, on_cancel, label = self._intervention(obj.get("intervention"), time.monotonic() + timeout)
+            fields["intervention"] = label
+            try:
+                call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel)
+                outcome = await self._until_disconnect(request, call)
+            except BatcherFull as exc:
+                raise self._run_error(exc, fields) from None
+            if outcome.get("disconnected"):
+                fields["disconnected"] = True
+                return Response(status_code=499)
+            if "exc" in outcome:
+                raise self._run_error(outcome["exc"], fields)
+            try:
+                body = wire.packb({"ok": True, "result": outcome["value"]})
+            except wire.WireError as exc:
+                raise _Fail(422, "intervention", exc) from None
+            return Response(body, media_type=MSGPACK)
+        return await self._guarded(request, "trace", work)
+
+    async def _generate(self, request):
+        async def work(fields):
+            if not self.is_lm:
+                raise _Fail(400, "request", "this model does not generate (it is not a LanguageModel)")
+            obj = self._decode(await self._read_body(request))
+            self._fields(obj, {"input", "intervention", "timeout", "max_new_tokens", "stream"})
+            if "input" not in obj:
+                raise _Fail(400, "request", "missing field 'input'")
+            x = self._input(obj["input"])
+            n = obj.get("max_new_tokens", 20)
+            if type(n) is not int or not 1 <= n <= self.max_new_tokens:
+                raise _Fail(400, "request", f"max_new_tokens must be an int in [1, {self.max_new_tokens}]")
+            stream = obj.get("stream", False)
+            if type(stream) is not bool:
+                raise _Fail(400, "request", "stream must be a bool")
+            timeout = self._timeout(obj)
+            fn, on_cancel, label = self._intervention(obj.get("intervention"), time.monotonic() + timeout,
+                                                      required=False)
+            fields["intervention"] = label
+            fields["max_new_tokens"] = n
+            fns = (fn,) if fn is not None else ()
+            if stream:
+                try:
+                    events = self.batcher.stream_generate(x, *fns, max_new_tokens=n, timeout=timeout,
+                                                          on_cancel=on_cancel)
+                except BatcherFull as exc:
+                    raise self._run_error(exc, fields) from None
+                fields["stream"] = True
+                return StreamingResponse(self._stream(events), media_type=MSGPACK_STREAM)
+            try:
+                call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
+                                         on_cancel=on_cancel)
+                outcome = await self._until_disconnect(request, call)
+            except BatcherFull as exc:
+                raise self._run_error(exc, fields) from None
+            if outcome.get("disconnected"):
+                fields["disconnected"] = True
+                return Response(status_code=499)
+            if "exc" in outcome:
+                raise self._run_error(outcome["exc"], fields)
+            g = outcome["value"]
+            try:
+                body = wire.packb({"ok": True, "result": g.result, "tokens": g.tokens, "text": g.text,
+                                   "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted]})
+            except wire.WireError as exc:
+                raise _Fail(422, "intervention", exc) from None
+            return Response(body, media_type=MSGPACK)
+        return await self._guarded(request, "generate", work)
+
+    async def _stream(self, events):
+        try:
+            async for ev in events:
+                if ev["event"] == "done":
+                    g = ev["result"]
+                    item = {"event": "done", "ok": True, "result": g.result, "tokens": g.tokens, "text": g.text}
+                else:
+                    item = ev
+                try:
+                    chunk = wire.packb(item)
+                except wire.WireError as exc:
+                    chunk = wire.packb({"event": "error", "ok": False, "error": wire.encode_error(exc, "intervention")})
+                yield chunk
+        except (Exception, SandboxTimeout) as exc:
+            fail = self._run_error(exc, {})
+            yield wire.packb({"event": "error", "ok": False, "status": fail.status, "error": fail.error})
+        finally:
+            await events.aclose()
+
+
+def _takes_on_shutdown():
+    return "on_shutdown" in inspect.signature(Starlette.__init__).parameters
+
+
+def _lifespan(shutdown):
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await shutdown()
+    return lifespan
+
+
+def serve_app(model, **kwargs) -> Starlette:
+    """Shortcut: ``Server(model, **kwargs).app``."""
+    return Server(model, **kwargs).app

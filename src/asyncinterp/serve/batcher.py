@@ -1,0 +1,712 @@
+"""Dynamic batching: concurrent requests, each with its own intervention, share forward passes.
+
+    batcher = ai.serve.Batcher(model, max_batch=32, max_wait_ms=5)
+
+    async def handler(prompt, strength):
+        return await batcher.trace(prompt, functools.partial(steer, strength=strength))
+
+Requests that arrive within ``max_wait_ms`` of the first waiting one (up to
+``max_batch`` of them) become the invokes of one run with
+``on_error="continue"``: each request's intervention sees only its own rows,
+and its failure fails only its own request. A dedicated worker thread runs
+the batches one after another, so the event loop (asyncio or trio, any
+number of them) stays free and the model runs one batch at a time.
+
+Cancellation and timeouts are per request: a request cancelled while queued
+never runs; one cancelled while its batch runs has its intervention closed
+at the next hook point (``Invoke.cancel``) while the forward and the other
+requests go on; submitted code in a runaway Python loop is stopped by the
+sandbox's tick.
+
+Generation requests (``await batcher.generate(prompt, fn, max_new_tokens=n)``
+on a :class:`~asyncinterp.LanguageModel`) are coalesced the same way into one
+``generate`` call. Each request leaves the batch when it has its own
+``max_new_tokens`` tokens or produced an end-of-sequence token: its step loop
+ends there (``Kernel.end_group``), exactly as if it had run alone, and its
+result is delivered at once, before the longer requests finish.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernel.errors import RunCancelled
+from ..kernel.scheduler import current_kernel, current_task
+from ..run import RunStopped
+
+log = logging.getLogger("asyncinterp.serve")
+
+
+class BatcherFull(RuntimeError):
+    """The batcher's queue is full (the server answers 503)."""
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher was closed before the request ran."""
+
+
+@dataclass
+class GenerateResult:
+    """What a generation request returns: its intervention's result and what was generated for it."""
+
+    result: object
+    tokens: list            # generated ids (through the first end-of-sequence token)
+    text: str
+    emitted: list = field(default_factory=list)   # values the intervention emitted, in order
+
+
+# --------------------------------------------------------------------------- waking an event loop from the worker
+class _Loop:
+    """Thread-safe ``call_soon`` into the event loop that made the request (asyncio or trio)."""
+
+    __slots__ = ("call_soon", "new_event", "backend")
+
+    def __init__(self):
+        import sniffio
+        backend = sniffio.current_async_library()
+        self.backend = backend
+        if backend == "asyncio":
+            import asyncio
+            loop = asyncio.get_running_loop()
+
+            def call_soon(fn):
+                try:
+                    loop.call_soon_threadsafe(fn)
+                except RuntimeError:  # the loop is closed: nobody is waiting any more
+                    pass
+            self.call_soon = call_soon
+            self.new_event = asyncio.Event
+        elif backend == "trio":
+            import trio
+            token = trio.lowlevel.current_trio_token()
+
+            def call_soon(fn):
+                try:
+                    token.run_sync_soon(fn)
+                except trio.RunFinishedError:
+                    pass
+            self.call_soon = call_soon
+            self.new_event = trio.Event
+        else:  # pragma: no cover
+            raise RuntimeError(f"Batcher supports asyncio and trio, not {backend}")
+
+
+class _Mailbox:
+    """Items pushed from the worker thread, awaited in the request's event loop."""
+
+    def __init__(self, loop: _Loop):
+        self._loop = loop
+        self._items = collections.deque()
+        self._event = None
+
+    def put(self, item) -> None:  # any thread
+        self._items.append(item)
+        self._loop.call_soon(self._wake)
+
+    def _wake(self):  # in the loop
+        ev = self._event
+        if ev is not None:
+            ev.set()
+
+    async def get(self):
+        while not self._items:
+            self._event = self._loop.new_event()
+            if self._items:
+                break
+            await self._event.wait()
+        return self._items.popleft()
+
+
+# --------------------------------------------------------------------------- requests
+_ids = itertools.count(1)
+
+
+class _Request:
+    __slots__ = ("id", "kind", "input", "fns", "kwargs", "gen", "max_new_tokens", "key", "arrival", "state",
+                 "invoke", "lock", "mailbox", "on_cancel", "tokens", "streamed", "emitted", "stream", "finished")
+
+    def __init__(self, kind, input, fns, kwargs, loop, key, gen=None, max_new_tokens=None, on_cancel=None,
+                 stream=False):
+        self.id = next(_ids)
+        self.kind = kind
+        self.input = input
+        self.fns = list(fns)
+        self.kwargs = kwargs
+        self.gen = gen or {}
+        self.max_new_tokens = max_new_tokens
+        self.key = key
+        self.arrival = time.monotonic()
+        self.state = "queued"        # queued -> running -> done | cancelled
+        self.invoke = None
+        self.lock = threading.Lock()
+        self.mailbox = _Mailbox(loop)
+        self.on_cancel = on_cancel
+        self.tokens = None           # generation: per row, the ids generated so far
+        self.streamed = 0
+        self.emitted = []
+        self.stream = stream
+        self.finished = False
+
+    # worker side -------------------------------------------------------------
+    def start(self) -> bool:
+        with self.lock:
+            if self.state != "queued":
+                return False
+            self.state = "running"
+            return True
+
+    def attach(self, invoke) -> None:
+        with self.lock:
+            self.invoke = invoke
+            cancelled = self.state == "cancelled"
+        if cancelled:
+            invoke.cancel()
+
+    def deliver(self, ok: bool, value) -> None:
+        with self.lock:
+            if self.state == "done" or self.finished:
+                return
+            self.finished = True
+            if self.state == "cancelled":
+                return
+            self.state = "done"
+        self.mailbox.put(("done", ok, value))
+
+    def event(self, item) -> None:
+        if self.state != "cancelled":
+            self.mailbox.put(("event", True, item))
+
+    # loop side ---------------------------------------------------------------
+    def cancel(self) -> None:
+        with self.lock:
+            if self.state in ("done", "cancelled"):
+                return
+            self.state = "cancelled"
+            inv = self.invoke
+        if self.on_cancel is not None:
+            try:
+                self.on_cancel()
+            except Exception:  # noqa: BLE001 - a callback must not break cancellation
+                log.exception("on_cancel callback failed")
+        if inv is not None:
+            inv.cancel()
+
+
+def emit(value) -> None:
+    """Inside an intervention served by a :class:`Batcher`: send ``value`` to the client now.
+
+    Streaming generation requests receive it as an ``emit`` event tagged with
+    the current step; others collect it in ``GenerateResult.emitted``.
+    Tensors are copied at once (activations change as the model goes on).
+    Outside a served request this does nothing, so the same intervention
+    runs locally unchanged.
+    """
+    kernel = current_kernel()
+    task = current_task()
+    if kernel is None or task is None:
+        return None
+    requests = getattr(kernel.host, "_serve_requests", None)
+    if not requests:
+        return None
+    req = requests.get(task.group)
+    if req is None:
+        return None
+    value = _snapshot(value)
+    item = {"event": "emit", "step": kernel.step, "value": value}
+    req.emitted.append(item)
+    if req.stream:
+        req.event(item)
+    return None
+
+
+def _snapshot(value, depth=0):
+    if depth > 32:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        items = [_snapshot(v, depth + 1) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        return {k: _snapshot(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _invoke_value(inv):
+    """``Invoke.result`` without requiring the run to be over (a request leaving a generation early)."""
+    if inv.cancelled:
+        raise RunCancelled(f"request was cancelled")
+    values = []
+    for t in inv.tasks:
+        if not t.done or t.closed:
+            raise RunStopped(f"intervention {t.name!r} did not finish: the run stopped early")
+        if t.exc is not None:
+            raise t.exc
+        values.append(t.result)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _shape_key(x):
+    """Which inputs can share a forward of a plain wrapped model: same trailing shapes and dtypes."""
+    if isinstance(x, torch.Tensor):
+        return ("t", tuple(x.shape[1:]), x.dtype, x.device)
+    if isinstance(x, tuple):
+        return ("tuple",) + tuple(_shape_key(v) for v in x)
+    if isinstance(x, dict):
+        return ("dict",) + tuple(sorted((k, _shape_key(v)) for k, v in x.items()))
+    if isinstance(x, list) and x and all(isinstance(v, torch.Tensor) for v in x):
+        return ("list",) + tuple(_shape_key(v) for v in x)
+    try:
+        hash(x)
+        return ("v", x)
+    except TypeError:
+        return ("id", id(x))
+
+
+def _freeze(obj):
+    try:
+        hash(obj)
+        return obj
+    except TypeError:
+        return repr(obj)
+
+
+# --------------------------------------------------------------------------- the batcher
+class Batcher:
+    """Coalesce concurrent ``trace``/``generate`` requests into shared runs of ``model``.
+
+    ``max_batch``: most requests in one run. ``max_wait_ms``: how long the
+    first waiting request waits for company (0: run whatever is waiting as
+    soon as the model is free). ``max_queue``: waiting requests beyond this
+    raise :class:`BatcherFull`. ``timeout``: default per-request limit in
+    seconds (``None``: none). ``exact``: only coalesce language-model prompts
+    of equal token length (no padding), for results bit-equal to solo runs
+    on kernels whose numerics depend on the padded length. ``no_grad``: run
+    forwards without autograd (default). ``key``: a function of a request's
+    input returning a hashable; only requests with equal keys share a run
+    (default: everything for language models, equal trailing shapes for
+    plain wrapped models).
+    """
+
+    def __init__(self, model, max_batch: int = 32, max_wait_ms: float = 5.0, *, max_queue: int = 1024,
+                 timeout: float | None = None, exact: bool = False, no_grad: bool = True, key=None,
+                 name: str = "batcher"):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
+        self.model = model
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue = max_queue
+        self.timeout = timeout
+        self.exact = exact
+        self.no_grad = no_grad
+        self._key_fn = key
+        self.name = name
+        self._pending = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = None
+        self._current = None
+        self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "fallbacks": 0, "cancelled": 0}
+        self._is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
+
+    # ------------------------------------------------------------------ public
+    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, **kwargs):
+        """Run ``fns`` on ``input`` in a shared forward; returns what ``model.trace(input, *fns)`` returns.
+
+        ``timeout`` (seconds) bounds this request only (``TimeoutError``);
+        ``on_cancel`` is called (in this event loop) if the request is
+        cancelled or times out; ``kwargs`` go to the invoke.
+        """
+        req = self._make("trace", input, fns, kwargs, None, None, on_cancel, False)
+        return await self._wait(req, timeout)
+
+    async def generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
+                       on_cancel=None, **generate_kwargs) -> GenerateResult:
+        """Generate for ``input`` with ``fns`` in a shared generation; returns a :class:`GenerateResult`."""
+        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, False)
+        return await self._wait(req, timeout)
+
+    def stream_generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
+                        on_cancel=None, **generate_kwargs) -> "GenerationStream":
+        """Like :meth:`generate`, as an async iterator of events while the generation runs.
+
+        The request is queued at once (so :class:`BatcherFull` is raised
+        here). Events are dicts: ``{"event": "token", "step", "token",
+        "text"}`` for each generated token, ``{"event": "emit", "step",
+        "value"}`` for each :func:`emit` of the intervention, and last
+        ``{"event": "done", "result": GenerateResult}``. Errors are raised
+        from the iterator; leaving the loop early (or ``aclose()``) cancels
+        the request.
+        """
+        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, True)
+        return GenerationStream(self, req, self._deadline(timeout))
+
+    def queue_size(self) -> int:
+        return len(self._pending)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting requests; fail the queued ones; stop the running batch; join the worker."""
+        with self._cond:
+            self._closed = True
+            pending = list(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+        for req in pending:
+            req.deliver(False, BatcherClosed("the batcher was closed before this request ran"))
+        run = self._current
+        if run is not None:
+            run.cancel()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
+    async def aclose(self) -> None:
+        import anyio
+        await anyio.to_thread.run_sync(self.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    # ------------------------------------------------------------------ submitting
+    def _make(self, kind, input, fns, kwargs, gen, max_new_tokens, on_cancel, stream):
+        for fn in fns:
+            if not callable(fn):
+                raise TypeError(f"an intervention must be an async function taking the model envoy, got {fn!r}")
+        if kind == "trace":
+            key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
+        else:
+            key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
+        req = _Request(kind, input, fns, kwargs, _Loop(), key, gen, max_new_tokens, on_cancel, stream)
+        self._submit(req)
+        return req
+
+    def _make_generate(self, input, fns, max_new_tokens, generate_kwargs, on_cancel, stream):
+        if not self._is_lm:
+            raise TypeError("generation requests need a LanguageModel (with a tokenizer and generate)")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        return self._make("generate", input, fns, {}, generate_kwargs, max_new_tokens, on_cancel, stream)
+
+    def _input_key(self, input):
+        if self._key_fn is not None:
+            return self._key_fn(input)
+        if self._is_lm:
+            if not self.exact:
+                return None
+            try:
+                from ..models.inputs import to_prompt
+                p = to_prompt(input, self.model.tokenizer)
+                return tuple(len(r) for r in p.rows)
+            except Exception:  # invalid input: fails on its own at invoke time
+                return ("invalid", id(input))
+        return _shape_key(input)
+
+    def _submit(self, req):
+        with self._cond:
+            if self._closed:
+                raise BatcherClosed("the batcher is closed")
+            if len(self._pending) >= self.max_queue:
+                raise BatcherFull(f"{len(self._pending)} requests are waiting (max_queue={self.max_queue}); "
+                                  "try again later")
+            self._pending.append(req)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._worker, name=f"asyncinterp-{self.name}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _deadline(self, timeout):
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    async def _wait(self, req, timeout):
+        import anyio
+        deadline = self._deadline(timeout)
+        try:
+            with anyio.fail_after(None if deadline is None else max(deadline - time.monotonic(), 0)):
+                while True:
+                    kind, ok, value = await req.mailbox.get()
+                    if kind == "done":
+                        break
+        except BaseException:
+            req.cancel()
+            self._unqueue(req)
+            self.stats["cancelled"] += 1
+            raise
+        if not ok:
+            raise value
+        return value
+
+    def _unqueue(self, req):
+        with self._cond:
+            try:
+                self._pending.remove(req)
+            except ValueError:
+                pass
+
+    # ------------------------------------------------------------------ worker
+    def _worker(self):
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._execute(batch)
+            except BaseException as exc:  # noqa: BLE001 - never let the worker die
+                log.exception("batcher worker error")
+                for req in batch:
+                    req.deliver(False, exc)
+
+    def _next_batch(self):
+        cond = self._cond
+        with cond:
+            while True:
+                while self._pending and self._pending[0].state != "queued":
+                    self._pending.popleft()
+                if self._pending:
+                    break
+                if self._closed:
+                    return None
+                cond.wait()
+            first = self._pending[0]
+            deadline = first.arrival + self.max_wait
+            while True:
+                n = sum(1 for r in self._pending if r.key == first.key and r.state == "queued")
+                now = time.monotonic()
+                if n >= self.max_batch or now >= deadline or self._closed:
+                    break
+                cond.wait(deadline - now)
+            batch = []
+            keep = collections.deque()
+            for r in self._pending:
+                if r.state != "queued":
+                    continue
+                if len(batch) < self.max_batch and r.key == first.key:
+                    batch.append(r)
+                else:
+                    keep.append(r)
+            self._pending = keep
+            return batch
+
+    def _execute(self, batch):
+        live = [r for r in batch if r.start()]
+        if not live:
+            return
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(live)
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(live))
+        t0 = time.perf_counter()
+        try:
+            self._run(live)
+        except BaseException as exc:  # noqa: BLE001 - the run itself failed (bad input, the model raised)
+            if isinstance(exc, RunCancelled) or self._closed:
+                for r in live:
+                    r.deliver(False, BatcherClosed("the batcher was closed while this request ran"))
+                return
+            if len(live) == 1:
+                live[0].deliver(False, exc)
+                return
+            # isolate the request that broke the shared run: rerun each alone
+            self.stats["fallbacks"] += 1
+            log.info("batch of %d failed (%s: %s); rerunning its requests one by one", len(live),
+                     type(exc).__name__, exc)
+            for r in live:
+                if r.state != "running":
+                    continue
+                r.invoke = None
+                try:
+                    self._run([r])
+                except BaseException as solo_exc:  # noqa: BLE001
+                    r.deliver(False, solo_exc)
+        log.debug("batch of %d ran in %.1f ms", len(live), 1000 * (time.perf_counter() - t0))
+
+    def _run(self, live):
+        model = self.model
+        generating = live[0].kind == "generate"
+        if generating:
+            n_max = max(r.max_new_tokens for r in live)
+            run = model.generate(max_new_tokens=n_max, on_error="continue", **live[0].gen)
+        else:
+            run = model.trace(on_error="continue")
+        requests = {}
+        run._serve_requests = requests
+        for r in live:
+            try:
+                inv = run.invoke(r.input, *r.fns, **r.kwargs)
+            except Exception as exc:  # this request's input or intervention is invalid: only it fails
+                r.deliver(False, exc)
+                continue
+            requests[inv.index] = r
+            r.attach(inv)
+        if not requests:
+            return
+        if generating:
+            run.invoke(None, _GenerationWatch(self, run, requests))
+        self._current = run
+        try:
+            if self.no_grad:
+                with torch.no_grad():
+                    run.run()
+            else:
+                run.run()
+        finally:
+            self._current = None
+        for idx, r in requests.items():
+            if generating:
+                self._finish_generation(run, r)
+            else:
+                try:
+                    value = r.invoke.result
+                except BaseException as exc:  # noqa: BLE001
+                    r.deliver(False, exc)
+                else:
+                    r.deliver(True, value)
+
+    # ------------------------------------------------------------------ generation bookkeeping
+    def _eos_ids(self):
+        cfg = getattr(self.model._module, "generation_config", None)
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def _finish_generation(self, run, r, early=False):
+        if r.finished:
+            return
+        try:
+            value = _invoke_value(r.invoke) if early else r.invoke.result
+        except BaseException as exc:  # noqa: BLE001
+            r.deliver(False, exc)
+            return
+        tok = self.model.tokenizer
+        rows = r.tokens or [[]]
+        texts = [tok.decode(row, skip_special_tokens=True) for row in rows]
+        self._stream_tokens(r, final=True)
+        single = len(rows) == 1
+        r.deliver(True, GenerateResult(value, rows[0] if single else rows, texts[0] if single else texts,
+                                       list(r.emitted)))
+
+    def _stream_tokens(self, r, final=False):
+        if not r.stream or r.tokens is None or len(r.tokens) != 1:
+            return
+        row = r.tokens[0]
+        tok = self.model.tokenizer
+        while r.streamed < len(row):
+            i = r.streamed
+            prev = tok.decode(row[:i], skip_special_tokens=True)
+            now = tok.decode(row[:i + 1], skip_special_tokens=True)
+            r.event({"event": "token", "step": i, "token": row[i], "text": now[len(prev):]})
+            r.streamed += 1
+
+
+class GenerationStream:
+    """Async iterator over a streaming generation request's events (see :meth:`Batcher.stream_generate`)."""
+
+    def __init__(self, batcher, req, deadline):
+        self._batcher = batcher
+        self._req = req
+        self._deadline = deadline
+        self._done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        import anyio
+        if self._done:
+            raise StopAsyncIteration
+        req = self._req
+        deadline = self._deadline
+        try:
+            with anyio.fail_after(None if deadline is None else max(deadline - time.monotonic(), 0)):
+                kind, ok, value = await req.mailbox.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if kind == "event":
+            return value
+        self._done = True
+        if not ok:
+            raise value
+        return {"event": "done", "result": value}
+
+    async def aclose(self):
+        """Stop listening; cancels the request if it has not finished."""
+        self._done = True
+        self._req.cancel()
+        self._batcher._unqueue(self._req)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+
+class _GenerationWatch:
+    """A whole-batch helper invoke of a shared generation: tracks each request's tokens after every step.
+
+    It installs a tap on ``m.tokens`` (called after the requests' own tasks
+    have seen the step's tokens); a request that has its ``max_new_tokens``
+    tokens, or whose rows all produced an end-of-sequence token, leaves the
+    run there (``Kernel.end_group``) and gets its result at once.
+    """
+
+    def __init__(self, batcher, run, requests):
+        self.batcher = batcher
+        self.run = run
+        self.requests = requests
+        self.__qualname__ = self.__name__ = "serve-generation-watch"
+
+    async def __call__(self, m):
+        run = self.run
+        run.tap(m.tokens, self._on_tokens)
+        return None
+
+    def _on_tokens(self, ids):
+        run = self.run
+        kernel = run.kernel
+        batch = run.batch
+        eos = self.batcher._eos_ids()
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        for idx, r in self.requests.items():
+            if r.finished or idx in kernel.ended:
+                continue
+            span = batch.spans[idx]
+            rows = ids[span[0]:span[1]] if span is not None else ids
+            if r.tokens is None:
+                r.tokens = [[] for _ in rows]
+            done_rows = 0
+            for row_tokens, t in zip(r.tokens, rows):
+                if row_tokens and row_tokens[-1] in eos:
+                    done_rows += 1   # already finished: HF pads it, we keep what it generated
+                    continue
+                if len(row_tokens) < r.max_new_tokens:
+                    row_tokens.append(int(t))
+                if int(t) in eos or len(row_tokens) >= r.max_new_tokens:
+                    done_rows += 1
+            self.batcher._stream_tokens(r)
+            if done_rows == len(r.tokens) and r.state != "cancelled":
+                kernel.end_group(idx)
+                if all(t.done for t in r.invoke.tasks):
+                    self.batcher._finish_generation(run, r, early=True)

@@ -1,0 +1,186 @@
+"""``asyncinterp serve [MODEL]``: serve a model over HTTP on a loopback address.
+
+    asyncinterp serve                          # bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
+    asyncinterp serve tiny-gpt2 --port 8123 --api-key secret --allow-code
+    asyncinterp serve ./my-model-dir --interventions my_interventions.py
+
+MODEL is ``smollm2`` (default), ``tiny-gpt2`` / ``tiny-llama`` (random
+weights, instant), ``gpt2-small`` (GPT-2-small shape from config, random
+weights) or a local transformers causal-LM directory. ``--interventions
+FILE`` loads a Python file that defines ``register(server)`` (your trusted
+named interventions). API keys come from ``--api-key`` (repeatable) or the
+``ASYNCINTERP_API_KEYS`` environment variable (comma separated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to an argparse ``subparsers`` (sets ``func``)."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model over HTTP: coalesced interventions, msgpack wire format",
+        description="Serve a model over HTTP (Starlette + uvicorn). Concurrent requests, each with its own "
+                    "intervention, are coalesced into shared forward passes. See docs/serving.md.")
+    configure(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL",
+                   help="smollm2 (default), tiny-gpt2, tiny-llama, gpt2-small, or a transformers model directory")
+    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted API key (repeatable); also $ASYNCINTERP_API_KEYS (comma separated)")
+    p.add_argument("--allow-code", action="store_true",
+                   help="accept client-submitted `async def` source (restricted sandbox; trusted users only)")
+    p.add_argument("--interventions", metavar="FILE", action="append", default=[],
+                   help="Python file defining register(server) with your named interventions (repeatable)")
+    p.add_argument("--no-builtins", action="store_true", help="do not register top_k/read/steer/ablate")
+    p.add_argument("--max-batch", type=int, default=32, help="most requests per forward pass (default 32)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="how long a request waits for others to share its forward (default 5 ms)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503 (default 256)")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-request time limit in seconds (default 30)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request size limit (default 1 MiB)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="generation limit per request (default 256)")
+    p.add_argument("--exact", action="store_true",
+                   help="only batch prompts of equal token length together (no padding)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic CPU BLAS (MKL_CBWR=AUTO,STRICT): with --exact, batched results are "
+                        "bit-equal to solo runs on batch-invariant models")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--cache-dir", default=None, help="where the converted SmolLM2 lives")
+    p.add_argument("--log-format", choices=["json", "text"], default="json", help="request log format")
+    p.add_argument("--log-level", default="info", help="log level (default info)")
+    p.add_argument("--allow-non-loopback", action="store_true",
+                   help="allow binding a non-loopback address (put TLS and a real auth layer in front!)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_model(name: str, cache_dir=None):
+    """A LanguageModel for a CLI model name or directory."""
+    from ..models import smollm2, tiny
+    if name == "smollm2":
+        return smollm2(cache_dir=cache_dir)
+    if name in ("tiny", "tiny-gpt2"):
+        return tiny("gpt2")
+    if name == "tiny-llama":
+        return tiny("llama")
+    if name == "gpt2-small":
+        return gpt2_small()
+    if os.path.isdir(name):
+        from ..models.language import LanguageModel
+        return LanguageModel.from_pretrained(name)
+    raise FileNotFoundError(f"unknown model {name!r}: use smollm2, tiny-gpt2, tiny-llama, gpt2-small or a "
+                            "transformers model directory")
+
+
+def gpt2_small(seed: int = 0):
+    """A GPT-2-small-shaped model (12 layers, width 768) with random weights and the real GPT-2 tokenizer."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from ..models.bundled import gpt2_tokenizer
+    from ..models.language import LanguageModel
+    tok = gpt2_tokenizer()
+    config = GPT2Config(vocab_size=len(tok), n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config).eval()
+    return LanguageModel(model, tok)
+
+
+def load_interventions(server, path: str) -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"asyncinterp_user_interventions_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"cannot load interventions from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    register = getattr(module, "register", None)
+    if register is None:
+        raise ValueError(f"{path} must define register(server), which adds interventions with "
+                         "@server.intervention('name')")
+    register(server)
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    from .app import JsonFormatter
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s %(fields)s", defaults={"fields": ""}))
+    logger = logging.getLogger("asyncinterp.serve")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def run(args) -> int:
+    if not is_loopback(args.host) and not args.allow_non_loopback:
+        print(f"asyncinterp serve: refusing to bind {args.host!r}: only loopback addresses (127.0.0.1, ::1, "
+              "localhost) unless --allow-non-loopback", file=sys.stderr)
+        return 2
+    if args.deterministic:
+        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # read by MKL at its first call, which is still ahead
+    setup_logging(args.log_format, args.log_level)
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keys = list(args.api_key) + [k.strip() for k in os.environ.get("ASYNCINTERP_API_KEYS", "").split(",") if k.strip()]
+    log = logging.getLogger("asyncinterp.serve")
+    model = load_model(args.model, args.cache_dir)
+    from .app import Server
+    server = Server(model, api_keys=keys, allow_code=args.allow_code, max_batch=args.max_batch,
+                    max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
+                    max_body_bytes=args.max_body_bytes, max_new_tokens=args.max_new_tokens, exact=args.exact,
+                    name=args.model, builtin_interventions=not args.no_builtins)
+    for path in args.interventions:
+        load_interventions(server, path)
+    if not keys:
+        log.warning("no API key configured: anyone who can reach %s:%s can use the model", args.host, args.port,
+                    extra={"fields": {"event": "startup"}})
+    if args.allow_code:
+        log.warning("submitted code is enabled: best-effort sandbox, trusted users only (docs/serving.md)",
+                    extra={"fields": {"event": "startup"}})
+    import uvicorn
+    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    userver = uvicorn.Server(config)
+    log.info("serving", extra={"fields": {"event": "startup", "model": args.model, "host": args.host,
+                                          "port": args.port, "interventions": sorted(server.interventions),
+                                          "allow_code": args.allow_code}})
+    userver.run()
+    return 0
+
+
+def main(argv=None) -> int:
+    """Entry point usable on its own: ``python -m asyncinterp.serve.cli [MODEL] ...``."""
+    p = argparse.ArgumentParser(prog="asyncinterp serve", description=__doc__.split("\n\n")[0])
+    configure(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"asyncinterp serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

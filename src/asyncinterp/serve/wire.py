@@ -1,0 +1,340 @@
+"""The wire format: msgpack, with tensors as (dtype, shape, bytes). No pickle anywhere.
+
+Values that cross the wire (request inputs and parameters, intervention
+results, streamed per-step values, errors) are plain msgpack with two
+extension types:
+
+* ``ext 1`` — a tensor: a msgpack array ``[dtype, shape, data]`` where
+  ``dtype`` is a name from :data:`DTYPES` (``"float32"``), ``shape`` a list of
+  ints and ``data`` the raw little-endian bytes in C order;
+* ``ext 2`` — a tuple (a msgpack array that decodes back to a tuple).
+
+Everything else is native msgpack: ``None``, bools, ints (64 bit), floats,
+strings, bytes, lists and maps. Decoding never executes anything: unknown
+extension types, unknown dtypes, sizes that do not match the shape, too many
+elements or too deep nesting are :class:`WireError` (an HTTP 400 on the
+server).
+
+Errors travel as maps ``{"type", "message", "traceback", "notes"}``; the
+traceback holds only the intervention's own frames (the user's code), not
+asyncinterp's or torch's, see :func:`encode_error`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import traceback as _traceback
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+EXT_TENSOR = 1
+EXT_TUPLE = 2
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+MAX_DEPTH = 32
+
+
+class WireError(ValueError):
+    """A value cannot be encoded, or bytes are not a valid message."""
+
+
+@dataclass
+class Limits:
+    """Bounds applied while decoding untrusted bytes."""
+
+    max_bytes: int = 16 * 2**20          # whole message
+    max_tensor_elements: int = 2**24     # per tensor
+    max_tensor_dims: int = 8
+    max_container_items: int = 2**16     # per list / map
+    max_str_len: int = 2**20
+    max_depth: int = MAX_DEPTH
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --------------------------------------------------------------------------- tensors
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if _HAS_NUMPY else _ctypes_bytes(t)
+
+
+def _ctypes_bytes(t):
+    import ctypes
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+try:  # numpy is optional; torch's .numpy() needs it
+    import numpy  # noqa: F401
+    _HAS_NUMPY = True
+except ImportError:  # pragma: no cover
+    _HAS_NUMPY = False
+
+
+def encode_tensor(t: torch.Tensor) -> msgpack.ExtType:
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise WireError(f"tensors of dtype {t.dtype} cannot be sent; convert to one of {sorted(DTYPES)}")
+    payload = msgpack.packb([name, list(t.shape), _tensor_bytes(t)], use_bin_type=True)
+    return msgpack.ExtType(EXT_TENSOR, payload)
+
+
+def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    try:
+        obj = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:
+        raise WireError(f"malformed tensor payload ({type(exc).__name__})") from None
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise WireError("a tensor must be [dtype, shape, data]")
+    name, shape, data = obj
+    if not isinstance(name, str) or name not in DTYPES:
+        raise WireError(f"unknown tensor dtype {name!r}; allowed: {sorted(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > limits.max_tensor_dims:
+        raise WireError(f"a tensor shape must be a list of at most {limits.max_tensor_dims} ints")
+    numel = 1
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise WireError(f"tensor shape {shape!r} must hold non-negative ints")
+        numel *= d
+        if numel > limits.max_tensor_elements:
+            raise WireError(f"tensor of shape {shape} has more than {limits.max_tensor_elements} elements")
+    if not isinstance(data, bytes):
+        raise WireError("tensor data must be bytes")
+    dtype = DTYPES[name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(data) != numel * itemsize:
+        raise WireError(f"tensor of dtype {name} and shape {shape} needs {numel * itemsize} bytes, got {len(data)}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+# --------------------------------------------------------------------------- values
+def _default(obj):
+    if isinstance(obj, torch.Tensor):
+        return encode_tensor(obj)
+    if isinstance(obj, tuple):  # namedtuples and torch.Size
+        return msgpack.ExtType(EXT_TUPLE, packb(list(obj)))
+    if isinstance(obj, torch.dtype):
+        return _DTYPE_NAMES.get(obj, str(obj))
+    if isinstance(obj, (set, frozenset)):
+        return list(obj)
+    if hasattr(obj, "keys") and hasattr(obj, "__getitem__"):   # ModelOutput and other mappings
+        return {k: obj[k] for k in obj.keys()}
+    if _HAS_NUMPY:
+        import numpy as np
+        if isinstance(obj, np.ndarray):
+            return encode_tensor(torch.from_numpy(obj))
+        if isinstance(obj, np.generic):
+            return obj.item()
+    raise WireError(f"cannot send a value of type {type(obj).__name__}: results must be made of tensors, "
+                    "numbers, strings, bytes, None, lists, tuples and dicts")
+
+
+def _prepare(obj, depth=0):
+    """Turn tuples into ext 2 before msgpack sees them (msgpack would make them lists)."""
+    if depth > MAX_DEPTH:
+        raise WireError(f"value nested deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return encode_tensor(obj)
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(EXT_TUPLE, _pack([_prepare(v, depth + 1) for v in obj]))
+    if isinstance(obj, list):
+        return [_prepare(v, depth + 1) for v in obj]
+    if isinstance(obj, dict):
+        return {_key(k): _prepare(v, depth + 1) for k, v in obj.items()}
+    return _prepare(_default(obj), depth + 1)
+
+
+def _key(k):
+    if isinstance(k, (str, int)) and not isinstance(k, bool):
+        return k
+    raise WireError(f"dict keys must be str or int to be sent, got {type(k).__name__}")
+
+
+def _pack(obj) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True, strict_types=False)
+    except WireError:
+        raise
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise WireError(f"cannot encode value: {exc}") from None
+
+
+def packb(obj) -> bytes:
+    """Encode ``obj`` (tensors, tuples, nested containers) to msgpack bytes."""
+    return _pack(_prepare(obj))
+
+
+def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS):
+    """Decode untrusted bytes; raises :class:`WireError` for anything malformed or too large."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError("expected bytes")
+    if len(data) > limits.max_bytes:
+        raise WireError(f"message of {len(data)} bytes exceeds the limit of {limits.max_bytes}")
+    depth = [0]
+
+    def ext_hook(code, payload):
+        if code == EXT_TENSOR:
+            return decode_tensor(payload, limits)
+        if code == EXT_TUPLE:
+            depth[0] += 1
+            try:
+                if depth[0] > limits.max_depth:
+                    raise WireError(f"message nested deeper than {limits.max_depth} levels")
+                return tuple(unpackb(payload, limits))
+            finally:
+                depth[0] -= 1
+        raise WireError(f"unknown msgpack extension type {code}")
+
+    try:
+        return msgpack.unpackb(
+            bytes(data), raw=False, use_list=True, strict_map_key=False, ext_hook=ext_hook,
+            max_str_len=limits.max_str_len,
+            max_bin_len=limits.max_bytes, max_array_len=limits.max_container_items,
+            max_map_len=limits.max_container_items, max_ext_len=limits.max_bytes)
+    except WireError:
+        raise
+    except RecursionError:
+        raise WireError("message nested too deeply") from None
+    except Exception as exc:  # msgpack raises many types for malformed input
+        raise WireError(f"malformed msgpack message ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def check_depth(obj, limit: int = MAX_DEPTH, _depth: int = 0) -> None:
+    """Raise :class:`WireError` if containers nest deeper than ``limit``."""
+    if _depth > limit:
+        raise WireError(f"message nested deeper than {limit} levels")
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            check_depth(v, limit, _depth + 1)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            check_depth(v, limit, _depth + 1)
+
+
+def stream_unpacker(limits: Limits = DEFAULT_LIMITS) -> msgpack.Unpacker:
+    """An incremental decoder for a stream of concatenated messages (the generate endpoint)."""
+
+    def ext_hook(code, payload):
+        if code == EXT_TENSOR:
+            return decode_tensor(payload, limits)
+        if code == EXT_TUPLE:
+            return tuple(unpackb(payload, limits))
+        raise WireError(f"unknown msgpack extension type {code}")
+
+    return msgpack.Unpacker(raw=False, use_list=True, strict_map_key=False, ext_hook=ext_hook,
+                            max_buffer_size=limits.max_bytes)
+
+
+# --------------------------------------------------------------------------- errors
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIB_DIRS = tuple(sorted({p + os.sep for p in (sysconfig.get_paths().get("stdlib"),
+                                                 sysconfig.get_paths().get("purelib"),
+                                                 sysconfig.get_paths().get("platlib"),
+                                                 os.path.dirname(torch.__file__)) if p}))
+
+
+def _own_frame(filename: str) -> bool:
+    if filename.startswith("<submitted"):
+        return True
+    if filename.startswith("<"):
+        return False
+    if filename.startswith(_PKG_DIR):
+        return False
+    return not filename.startswith(_LIB_DIRS)
+
+
+def own_traceback(exc: BaseException) -> list:
+    """Formatted lines of the frames of ``exc``'s traceback that belong to the intervention itself."""
+    frames = [f for f in _traceback.extract_tb(exc.__traceback__) if _own_frame(f.filename)]
+    return [line.rstrip("\n") for line in _traceback.format_list(frames)]
+
+
+def encode_error(exc: BaseException, kind: str | None = None) -> dict:
+    """A wire map for an exception: its type, message, notes and own traceback lines."""
+    message = str(exc)
+    if isinstance(exc, BaseExceptionGroup):
+        message = f"{message}: " + "; ".join(f"{type(e).__name__}: {e}" for e in exc.exceptions)
+    out = {
+        "type": type(exc).__name__,
+        "message": message,
+        "traceback": own_traceback(exc),
+        "notes": [str(n) for n in getattr(exc, "__notes__", ()) or ()],
+    }
+    if kind is not None:
+        out["kind"] = kind
+    return out
+
+
+class RemoteError(Exception):
+    """An error raised on the server (by an intervention, or by the server refusing the request).
+
+    ``type`` is the remote exception's class name, ``message`` its text,
+    ``remote_traceback`` the intervention's own frames and ``status`` the
+    HTTP status of the response.
+    """
+
+    def __init__(self, type: str, message: str, remote_traceback=(), notes=(), status: int | None = None,
+                 kind: str | None = None):
+        self.type = type
+        self.message = message
+        self.remote_traceback = list(remote_traceback)
+        self.notes = list(notes)
+        self.status = status
+        self.kind = kind
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        parts = [f"{self.type}: {self.message}"]
+        if self.remote_traceback:
+            parts.append("Remote traceback (most recent call last):\n" + "\n".join(self.remote_traceback))
+        parts.extend(self.notes)
+        return "\n".join(parts)
+
+    @classmethod
+    def from_wire(cls, obj, status: int | None = None) -> "RemoteError":
+        if not isinstance(obj, dict):
+            return cls("RemoteError", repr(obj)[:500], status=status)
+        return cls(str(obj.get("type", "RemoteError")), str(obj.get("message", "")),
+                   [str(x) for x in obj.get("traceback") or []], [str(x) for x in obj.get("notes") or []],
+                   status=status, kind=obj.get("kind"))
+
+
+try:  # Python 3.10
+    BaseExceptionGroup
+except NameError:  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup  # type: ignore

@@ -1,0 +1,210 @@
+"""Client-submitted interventions: refused before any model work, or run restricted."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import asyncinterp as ai
+from asyncinterp.models import tiny
+from asyncinterp.serve.sandbox import Program, SandboxRefused, SandboxTimeout, check_source
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny("gpt2")
+
+
+def run_submitted(model, source, params=None, deadline=None, prompt="Hello there world"):
+    fn, clock = Program(source).bind(params or {}, deadline)
+    return model.trace(prompt, fn), clock
+
+
+HOSTILE = {
+    "import os": "import os\nasync def f(m):\n    return os.listdir('/')",
+    "import subprocess": "async def f(m):\n    import subprocess\n    return subprocess.run(['id'])",
+    "import socket": "import socket\nasync def f(m):\n    return socket.socket()",
+    "from os import path": "from os import path\nasync def f(m):\n    return 1",
+    "import os.path": "import os.path\nasync def f(m):\n    return 1",
+    "from-import module of torch": "from torch import hub\nasync def f(m):\n    return 1",
+    "importlib": "import importlib\nasync def f(m):\n    return 1",
+    "relative import": "from . import x\nasync def f(m):\n    return 1",
+    "open a file": "async def f(m):\n    return open('/etc/passwd').read()",
+    "open for writing": "async def f(m):\n    with open('/tmp/pwned', 'w') as fh:\n        fh.write('x')",
+    "__import__": "async def f(m):\n    return __import__('os')",
+    "eval": "async def f(m):\n    return eval('1+1')",
+    "exec": "async def f(m):\n    exec('import os')",
+    "getattr string access": "async def f(m):\n    return getattr(m, '_module')",
+    "dunder class walk": "async def f(m):\n    return ().__class__.__bases__[0].__subclasses__()",
+    "globals of a function": "async def f(m):\n    return f.__globals__",
+    "private attribute": "async def f(m):\n    return m._module",
+    "format string attribute walk": "async def f(m):\n    return '{0.__class__}'.format(m)",
+    "frame walk": "async def f(m):\n    def g():\n        yield 1\n    return g().gi_frame.f_back",
+    "torch.load": "import torch\nasync def f(m):\n    return torch.load('/tmp/x.pt')",
+    "torch.save": "import torch\nasync def f(m):\n    torch.save(1, '/tmp/x.pt')",
+    "torch.from_file": "import torch\nasync def f(m):\n    return torch.from_file('/etc/passwd')",
+    "torch.os": "import torch\nasync def f(m):\n    return torch.os.system('id')",
+    "tensor to numpy to file": "async def f(m):\n    h = await m.transformer.h[0].output\n    h.numpy().tofile('/tmp/x')",
+    "as_strided into other rows": "async def f(m):\n    h = await m.transformer.h[0].output\n    return h.as_strided((100,), (1,))",
+    "the nn.Module": "async def f(m):\n    return m.lm_head.module.weight",
+    "class definition": "class A:\n    pass\nasync def f(m):\n    return 1",
+    "top-level code": "x = [0] * 10**10\nasync def f(m):\n    return 1",
+    "top-level call": "import torch\ntorch.zeros(3)\nasync def f(m):\n    return 1",
+    "decorator at top level": "import torch\n@torch.no_grad()\nasync def f(m):\n    return 1",
+    "non-literal default": "async def f(m, x=[0] * 10**9):\n    return x",
+    "global statement": "async def f(m):\n    global y\n    y = 1",
+    "match class pattern": "async def f(m):\n    match m:\n        case _:\n            return 1",
+    "syntax error": "async def f(m)\n    return 1",
+    "too long": "async def f(m):\n    return 1\n" + "#" * 30000,
+    "deep nesting": "async def f(m):\n    return " + "(" * 200 + "1" + ")" * 200,
+    "NUL": "async def f(m):\n    return '\x00'",
+    "no async def": "def f(m):\n    return 1",
+    "two entry points": "async def f(m):\n    return 1\nasync def g(m):\n    return 2",
+    "type() introspection": "async def f(m):\n    return type(m)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_source_refused_before_running(name):
+    with pytest.raises(SandboxRefused) as info:
+        Program(HOSTILE[name])
+    assert str(info.value)  # a reason, naming the line where there is one
+
+
+def test_refusal_messages_are_clear():
+    with pytest.raises(SandboxRefused, match=r"import of 'os' is not allowed .*line 1.*allowed modules: torch"):
+        check_source("import os\nasync def f(m): pass")
+    with pytest.raises(SandboxRefused, match=r"'open' is not available .*line 2.*no file access"):
+        check_source("async def f(m):\n    open('x')")
+    with pytest.raises(SandboxRefused, match=r"attribute '__class__' is not allowed"):
+        check_source("async def f(m):\n    return m.__class__")
+
+
+def test_user_names_shadowing_builtins_are_fine(model):
+    src = ("import torch.nn.functional as F\n"
+           "async def f(m, input=2):\n"
+           "    type = 'x'\n"
+           "    h = await m.transformer.h[0].output\n"
+           "    return F.softmax(input=h[:, -1], dim=-1).shape[-1] * input, type\n")
+    out, _ = run_submitted(model, src, {"input": 3})
+    assert out == (64 * 3, "x")
+
+
+def test_allowed_code_matches_local_run(model):
+    src = '''
+import torch
+import math
+import torch.nn.functional as F
+from asyncinterp import gather
+
+async def probe(m, layer, scale=1.0):
+    """Read two points at once, edit in place, call a module ad hoc."""
+    a, b = await gather(m.transformer.h[layer].output, m.transformer.h[layer + 1].output)
+    first = a[:, -1].clone()
+    h = await m.transformer.ln_f.output
+    h.mul_(scale)
+    logits = await m.lm_head.output
+    lens = m.lm_head(first)
+    return {"first": first, "top": logits[:, -1].topk(3).indices, "lens": lens,
+            "norm": math.sqrt(float((first * first).sum())), "probs": F.softmax(logits[:, -1], -1).sum()}
+'''
+    out, _ = run_submitted(model, src, {"layer": 0, "scale": 0.5})
+
+    async def probe(m, layer, scale=1.0):
+        a, b = await ai.gather(m.transformer.h[layer].output, m.transformer.h[layer + 1].output)
+        first = a[:, -1].clone()
+        h = await m.transformer.ln_f.output
+        h.mul_(scale)
+        logits = await m.lm_head.output
+        return {"first": first, "top": logits[:, -1].topk(3).indices, "lens": m.lm_head(first)}
+
+    ref = model.trace("Hello there world", lambda m: probe(m, 0, 0.5))
+    for k in ("first", "top", "lens"):
+        assert torch.equal(out[k], ref[k])
+
+
+def test_replacement_skip_and_steps(model):
+    src = '''
+import torch
+async def f(m):
+    h = await m.transformer.h[0].output
+    m.transformer.h[0].output = torch.zeros_like(h)
+    m.transformer.h[1].skip(torch.zeros_like(h))
+    out = await m.transformer.ln_f.input
+    n = 0
+    async for step in m.steps():
+        n += 1
+    return out.abs().sum(), n
+'''
+    (s, n), _ = run_submitted(model, src)
+    assert float(s) == 0.0 and n == 1
+
+
+@pytest.mark.parametrize("expr, match", [
+    ("m.lm_head.weight", "no submodule or hook point 'weight'"),
+    ("m.transformer.h[0].output.grad", "only await"),
+    ("m.transformer.h[0].forward", "no submodule or hook point"),
+    ("torch.set_num_threads(1)", "not available to submitted code"),
+    ("torch.manual_seed(0)", "not available to submitted code"),
+    ("torch.zeros(10**6, 10**6)", "exceeds the limit"),
+    ("list(range(10**9))", "exceeds the limit"),
+])
+def test_runtime_restrictions_fail_only_the_intervention(model, expr, match):
+    src = f"import torch\nasync def f(m):\n    return {expr}\n"
+    with pytest.raises(Exception, match=match):
+        run_submitted(model, src)
+
+
+def test_runaway_loop_is_stopped_by_the_deadline(model):
+    src = '''
+async def f(m):
+    h = await m.transformer.h[0].output
+    n = 0
+    while True:
+        try:
+            n += 1
+        except BaseException:
+            pass
+'''
+    t0 = time.monotonic()
+    with pytest.raises(SandboxTimeout):
+        run_submitted(model, src, deadline=time.monotonic() + 0.3)
+    assert time.monotonic() - t0 < 5
+    # lambdas and comprehensions tick too
+    src2 = "async def f(m):\n    return sum([x for x in range(10**7) for y in range(10)])\n"
+    with pytest.raises(SandboxTimeout):
+        run_submitted(model, src2, deadline=time.monotonic() + 0.2)
+
+
+def test_cancelled_clock_stops_code(model):
+    fn, clock = Program("async def f(m):\n    while True:\n        pass\n").bind({})
+    clock.cancelled = True
+    with pytest.raises(SandboxTimeout, match="cancelled"):
+        model.trace("Hello", fn)
+
+
+def test_params_are_checked_before_running():
+    prog = Program("async def f(m, a, b=2, *, c):\n    return a\n")
+    with pytest.raises(SandboxRefused, match="needs parameter"):
+        prog.bind({"a": 1})
+    with pytest.raises(SandboxRefused, match="takes no parameter"):
+        prog.bind({"a": 1, "c": 2, "zzz": 3})
+    with pytest.raises(SandboxRefused, match="exactly one top-level"):
+        Program("async def f(m):\n    return 1\nasync def g(m):\n    return 1\n")
+    assert Program("async def f(m):\n    return 1\nasync def g(m):\n    return 2\n", entry="g").entry == "g"
+    with pytest.raises(SandboxRefused, match="model as its first argument"):
+        Program("async def f():\n    return 1\n")
+
+
+def test_traceback_shows_submitted_lines(model):
+    import traceback
+    src = "async def f(m):\n    h = await m.transformer.h[0].output\n    raise ValueError('boom')\n"
+    with pytest.raises(ValueError) as info:
+        run_submitted(model, src)
+    text = "".join(traceback.format_exception(info.value))
+    assert "<submitted:f:" in text and "raise ValueError('boom')" in text
+
+
+def test_no_file_was_written():
+    assert not os.path.exists("/tmp/pwned")
