@@ -1,0 +1,25 @@
+"""The snippets in docs/language-models.md and docs/generation.md run as written (on SmolLM2)."""
+
+import pytest
+
+from docsnippets import python_blocks, run_page
+
+pytestmark = pytest.mark.smollm2
+
+
+def test_language_models_page_runs(capsys):
+    assert len(python_blocks("language-models.md")) >= 6
+    ns = run_page("language-models.md")
+    out = capsys.readouterr().out
+    assert "(1, 1, 49152)" in out and "(1, 1, 576)" in out
+    assert "no tokens" in out and "exceeds the model's context" in out
+    assert ns["p"][0] > 0.5
+
+
+def test_generation_page_runs(capsys):
+    assert len(python_blocks("generation.md")) >= 6
+    ns = run_page("generation.md")
+    out = capsys.readouterr().out
+    assert ns["gen"].stopped
+    assert "awaited model.layers.2.output" in out
+    assert ns["a"].result == ns["b"].result == 3
