@@ -55,3 +55,11 @@ def hooked(module, fn, kind="output"):
 
 def hook_count(model):
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.fixture(autouse=True)
+def _restore_grad_mode():
+    """Examples run in-process may switch autograd off globally; never let that leak into other tests."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
