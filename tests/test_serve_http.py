@@ -449,7 +449,7 @@ def test_overload_503(model):
                 return await asyncio.gather(*calls, return_exceptions=True)
         res = asyncio.run(go())
         statuses = sorted(getattr(r, "status", 200) for r in res)
-        assert statuses.count(503) >= 1 and statuses.count(200) >= 3, statuses
+        assert statuses.count(503) >= 1 and statuses.count(200) >= 2, statuses
         assert all(r == "finished" for r in res if not isinstance(r, Exception))
         r = post(f"{srv.url}/v1/trace", wire.packb({"input": PROMPTS[0], "intervention": "last"}))
         assert r.status_code == 200
