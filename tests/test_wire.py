@@ -184,3 +184,19 @@ def test_random_tensor_headers_decode_or_wireerror(dtype, shape, data):
         return
     t = out["t"]
     assert list(t.shape) == shape and t.dtype == wire.DTYPES[dtype]
+
+
+def test_deeply_nested_tuple_extensions_are_refused_not_a_crash():
+    # each tuple is an extension whose payload is decoded recursively: depth must be bounded across them
+    x = msgpack.packb(0)
+    for _ in range(3000):
+        x = msgpack.packb(msgpack.ExtType(wire.EXT_TUPLE, msgpack.packb([msgpack.ExtType(wire.EXT_TUPLE, x)])))
+    with pytest.raises(WireError, match="nested deeper"):
+        wire.unpackb(x)
+    y = msgpack.packb(0)
+    for _ in range(3000):
+        y = msgpack.packb([msgpack.ExtType(wire.EXT_TUPLE, msgpack.packb([[[msgpack.ExtType(wire.EXT_TUPLE, y)]]]))])
+    with pytest.raises(WireError, match="nested deeper"):
+        wire.unpackb(y)
+    with pytest.raises(WireError):
+        wire.unpackb(b"\x91" * 1_000_000 + b"\x00")

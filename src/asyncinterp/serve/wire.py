@@ -199,25 +199,20 @@ def packb(obj) -> bytes:
     return _pack(_prepare(obj))
 
 
-def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS):
+def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS, _depth: int = 0):
     """Decode untrusted bytes; raises :class:`WireError` for anything malformed or too large."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError("expected bytes")
     if len(data) > limits.max_bytes:
         raise WireError(f"message of {len(data)} bytes exceeds the limit of {limits.max_bytes}")
-    depth = [0]
+    if _depth > limits.max_depth:
+        raise WireError(f"message nested deeper than {limits.max_depth} levels")
 
     def ext_hook(code, payload):
         if code == EXT_TENSOR:
             return decode_tensor(payload, limits)
         if code == EXT_TUPLE:
-            depth[0] += 1
-            try:
-                if depth[0] > limits.max_depth:
-                    raise WireError(f"message nested deeper than {limits.max_depth} levels")
-                return tuple(unpackb(payload, limits))
-            finally:
-                depth[0] -= 1
+            return tuple(unpackb(payload, limits, _depth + 1))
         raise WireError(f"unknown msgpack extension type {code}")
 
     try:
@@ -253,7 +248,7 @@ def stream_unpacker(limits: Limits = DEFAULT_LIMITS) -> msgpack.Unpacker:
         if code == EXT_TENSOR:
             return decode_tensor(payload, limits)
         if code == EXT_TUPLE:
-            return tuple(unpackb(payload, limits))
+            return tuple(unpackb(payload, limits, 1))
         raise WireError(f"unknown msgpack extension type {code}")
 
     return msgpack.Unpacker(raw=False, use_list=True, strict_map_key=False, ext_hook=ext_hook,
