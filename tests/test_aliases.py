@@ -76,3 +76,12 @@ def test_real_names_win_and_missing_names_still_error():
     assert m.final_norm.path == "layers.5"
     with pytest.raises(ValueError):
         set_alias(m, "embed", "nope")
+
+
+def test_aliases_page_runs(capsys):
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("aliases.md")) >= 4
+    run_page("aliases.md")
+    out = capsys.readouterr().out
+    assert "GPT2LMHeadModel (" in out and "LlamaForCausalLM (" in out
+    assert "model.layers.1.self_attn" in out and "backbone.blocks.0" in out

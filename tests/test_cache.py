@@ -129,3 +129,13 @@ def test_cache_across_generation_steps_equals_hooks():
     step1 = cache.step(1)
     assert torch.equal(step1.transformer.h[0].output, saved[1])
     assert step1.lm_head.output.shape[1] == 1
+
+
+def test_cache_page_runs(capsys):
+    pytest.importorskip("asyncinterp.models.language")
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("cache.md")) >= 6
+    ns = run_page("cache.md")
+    out = capsys.readouterr().out
+    assert "model.layers.0.output: Tensor(2, 6, 32)" in out and "[0, 1, 2]" in out
+    assert ns["a"].model.layers[1].output.abs().sum() == 0

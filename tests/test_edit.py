@@ -140,3 +140,13 @@ def test_edit_every_generation_step_and_clone_keeps_lm_state():
         handle.remove()
     assert torch.equal(gen.tokens, want.tokens)
     assert hook_count(net) == 0
+
+
+def test_edits_page_runs(capsys):
+    pytest.importorskip("asyncinterp.models.language")
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("edits.md")) >= 5
+    ns = run_page("edits.md")
+    out = capsys.readouterr().out
+    assert "0.0\nTrue\n" in out and "()" in out
+    assert ns["model"].edits == ()

@@ -277,3 +277,12 @@ def test_grad_on_language_model_trace_equals_autograd():
     h.remove()
     want = torch.autograd.grad(logits[0, -1, target], saved["h"])[0]
     assert torch.equal(got, want)
+
+
+def test_gradients_page_runs(capsys):
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("gradients.md")) >= 6
+    ns = run_page("gradients.md")
+    out = capsys.readouterr().out
+    assert "torch.Size([3, 8])" in out and "tensor(0.)" in out and "already ran" in out
+    assert len(ns["scores"]) == 4

@@ -102,3 +102,12 @@ def test_scan_language_model_prompt():
     real = lm.trace(["Hello world", "A much longer prompt here"], ai.Cache("model.layers.*"))
     for k in real.keys():
         assert shapes[k].shape == real[k].shape
+
+
+def test_scan_page_runs(capsys):
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("scan.md")) >= 4
+    run_page("scan.md")
+    out = capsys.readouterr().out
+    assert "transformer.h.0.output" in out and "torch.Size([2, 7, 32])" in out
+    assert "meta" in out and "((2, 7, 32), (2, 7, 101))" in out and "shape (2, 32)" in out

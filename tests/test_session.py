@@ -99,3 +99,12 @@ def test_session_runs_with_invokes_and_atrace(net):
 
     out = asyncio.run(main())
     assert out.shape == (1, 4)
+
+
+def test_sessions_page_runs(capsys):
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("sessions.md")) >= 4
+    ns = run_page("sessions.md")
+    out = capsys.readouterr().out
+    assert "2 []" in out and "UnsetFutureError ['later']" in out
+    assert torch.equal(ns["result"], ns["patched"])

@@ -190,3 +190,95 @@ def test_rewrite_keeps_semantics_of_tricky_functions():
     assert torch.equal(m.trace(x), want)
     info = source_info(type(mod).forward, type(mod))
     assert info.filename == __file__
+
+
+def test_nested_source_in_called_function_pre_softmax_scores(llama_hf):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    m = ai.wrap(llama_hf)
+    ids = _ids(2, 6, seed=5)
+    op = m.model.layers[1].self_attn.source.attention_interface_0
+    inner = op.source_of(eager_attention_forward)   # the callee is chosen at run time: name it
+    assert "nn_functional_softmax_0" in inner.names() and "torch_matmul_0" in inner.names()
+    assert "attention_interface_0.source" in repr(inner)
+
+    async def scores(m):
+        raw = (await inner.torch_matmul_0.output).clone()
+        args, kwargs = await inner.nn_functional_softmax_0.inputs
+        weights = (await op.output)[1]
+        return raw, args[0].clone(), weights.clone()
+
+    raw, masked, weights = m.trace(ids, scores)
+    assert op.source.names() == inner.names()          # the callee was seen during the run
+
+    saved = {}
+    attn = llama_hf.model.layers[1].self_attn
+    hq = attn.q_proj.register_forward_hook(lambda mod, a, o: saved.update(q=o))
+    out = llama_hf(ids, output_attentions=True)
+    hq.remove()
+    torch.testing.assert_close(masked.softmax(-1), weights)
+    torch.testing.assert_close(weights, out.attentions[1])
+    assert raw.shape == (2, attn.config.num_attention_heads, 6, 6)
+    # scaled raw scores equal the masked scores where the causal mask lets them through
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close((raw * attn.scaling)[..., causal], masked[..., causal])
+    assert "forward" not in attn.__dict__
+
+
+def test_nested_source_of_static_callee(llama_hf):
+    m = ai.wrap(llama_hf)
+    rope = m.model.layers[0].self_attn.source.apply_rotary_pos_emb_0.source
+    assert "rotate_half_0" in rope.names()
+
+    async def read(m):
+        half = (await rope.rotate_half_0.output).clone()      # runs inside apply_rotary_pos_emb: first
+        q, k = await m.model.layers[0].self_attn.source.apply_rotary_pos_emb_0.output
+        return q.clone(), half
+
+    q, half = m.trace(_ids(1, 4), read)
+    assert q.shape[-1] == half.shape[-1]
+
+
+def _doubled_tanh(x):
+    y = torch.tanh(x)
+    return y * 2
+
+
+class _Dynamic(torch.nn.Module):
+    def forward(self, x):
+        f = _doubled_tanh if x.shape[0] else None
+        return f(x) + 1
+
+
+def test_runtime_callee_is_known_after_a_run():
+    m = ai.wrap(_Dynamic())
+    x = torch.randn(3)
+    op = m.source.f_0
+    with pytest.raises(AttributeError, match="source_of"):
+        op.source
+
+    async def read(m):
+        return await m.source.f_0.output
+
+    assert torch.equal(m.trace(x, read), torch.tanh(x) * 2)
+    inner = op.source
+    assert inner.names() == ["torch_tanh_0"]
+
+    async def nested(m):
+        y = await inner.torch_tanh_0.output
+        y[:] = 0
+        return await m.output
+
+    assert torch.equal(m.trace(x, nested), torch.ones(3))
+    assert torch.equal(m.trace(x), torch.tanh(x) * 2 + 1)
+
+
+def test_source_page_runs(capsys):
+    pytest.importorskip("asyncinterp.models.language")
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("source.md")) >= 6
+    ns = run_page("source.md")
+    out = capsys.readouterr().out
+    assert "attention_interface_0" in out and "self_q_proj_0" in out and "torch.Size([2, 4, 6, 6])" in out
+    assert "nn_functional_softmax_0" in out
+    shapes = ns["shapes"]
+    assert len(shapes) == 3 and shapes[1][2] == 1

@@ -14,6 +14,14 @@ attn.source.attention_interface_0.output`` returns what that call returned
 (here ``(attn_output, attn_weights)``), ``.inputs`` its ``(args, kwargs)``;
 both can be edited in place or replaced, per invoke, in every generation step.
 
+One level deeper: ``op.source`` lists the calls inside the Python function
+a call site calls (``attn.source.apply_rotary_pos_emb_0.source``), with hook
+points of their own. A callee chosen at run time (Hugging Face attention:
+``attention_interface = ...``) is known after a run that used the module's
+source points, or is named explicitly:
+``attn.source.attention_interface_0.source_of(eager_attention_forward)``;
+its points fire only when that call site calls that function.
+
 How it works. The first time a module class is asked for its source, its
 ``forward`` is re-compiled from ``inspect.getsource`` with every call
 ``f(a, b=c)`` rewritten to ``__ai_call__(i, f, a, b=c)`` (same evaluation
@@ -23,7 +31,9 @@ source points nobody awaits runs its original ``forward`` and pays nothing.
 When a task awaits a source point, the run sets the rewritten ``forward`` on
 that module instance only (``module.forward``), with an ``__ai_call__`` that
 calls ``f`` and delivers the result to the kernel only for the calls some
-task waits on; the run removes it when it ends, like its hooks.
+task waits on; the run removes it when it ends, like its hooks. A nested
+point makes that call site call a rewritten copy of its callee, for that run
+only.
 
 Naming: a call of an attribute of ``self`` or of a module (``self.q_proj``,
 ``torch.matmul``, ``nn.functional.softmax``) is named by the dotted path with
@@ -61,9 +71,10 @@ _CALL = "__ai_call__"
 class OpInfo:
     """One call site in a rewritten function."""
 
-    __slots__ = ("index", "name", "lineno", "col", "text")
+    __slots__ = ("index", "name", "lineno", "col", "text", "func_path")
 
-    def __init__(self, index, name, lineno, col, text):
+    def __init__(self, index, name, lineno, col, text, func_path=None):
+        self.func_path = func_path   # ("root", "attr", ...) when the callee is a dotted name
         self.index = index
         self.name = name
         self.lineno = lineno
@@ -116,6 +127,7 @@ class SourceInfo:
         self._factory_code = next(c for c in code.co_consts
                                   if isinstance(c, types.CodeType) and c.co_name == "__ai_factory__")
         self.by_name = {op.name: op for op in self.ops}
+        self.seen = {}   # op index -> the function last called there (recorded while patched)
 
     def build(self, call):
         """A new function like ``fn`` whose call sites go through ``call(i, f, *args, **kwargs)``."""
@@ -186,7 +198,7 @@ class _Rewriter(ast.NodeTransformer):
             return node
         n = self.counts.get(name, 0)
         self.counts[name] = n + 1
-        op = OpInfo(len(self.ops), f"{name}_{n}", node.lineno, node.col_offset, text)
+        op = OpInfo(len(self.ops), f"{name}_{n}", node.lineno, node.col_offset, text, _dotted(func))
         self.ops.append(op)
         call = ast.Call(func=ast.Name(_CALL, ast.Load()),
                         args=[ast.Constant(op.index), node.func, *node.args], keywords=node.keywords)
@@ -208,6 +220,16 @@ class _Rewriter(ast.NodeTransformer):
         if parts:
             return parts[0]
         return "call"
+
+
+def _dotted(func):
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if isinstance(func, ast.Name):
+        return (func.id, *parts[::-1])
+    return None
 
 
 def _strip_signature_evaluation(funcdef):
@@ -247,13 +269,20 @@ def _forward_of(module):
 
 # --------------------------------------------------------------- envoy side
 class Source:
-    """``envoy.source``: the calls in a module's ``forward``, as hook points (print it to list them)."""
+    """``envoy.source``: the calls in a module's ``forward`` (or in a function one of them calls), as hook points.
 
-    def __init__(self, envoy):
-        fn, owner = _forward_of(envoy._module)
+    Print it to list them; ``source.<name>`` is a :class:`SourceOp`.
+    """
+
+    def __init__(self, envoy, info=None, parent=None):
+        if info is None:
+            fn, owner = _forward_of(envoy._module)
+            info = source_info(fn, owner)
         self._envoy = envoy
-        self._info = source_info(fn, owner)
+        self._info = info
+        self._parent = parent          # the SourceOp whose callee this is (None: the module's forward)
         self._ops = {}
+        self._prefix = f"{_path(envoy)}.source" if parent is None else f"{parent.describe()}.source"
 
     @property
     def ops(self) -> list:
@@ -278,7 +307,7 @@ class Source:
             close = difflib.get_close_matches(name, list(self._info.by_name), n=3, cutoff=0.4)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise AttributeError(f"{self._info.qualname} has no call named {name!r}.{hint} "
-                                 f"print({_path(self._envoy)}.source) lists them")
+                                 f"print({self._prefix}) lists them")
         return self._op(info)
 
     def __getitem__(self, name):
@@ -294,19 +323,19 @@ class Source:
         return len(self._info.ops)
 
     def __repr__(self):
-        e = self._envoy
-        return self._info.listing(f"{_path(e)}.source: {self._info.qualname}  "
+        return self._info.listing(f"{self._prefix}: {self._info.qualname}  "
                                   f"({self._info.filename}:{self._info.start})")
 
 
 class SourceOp:
-    """One call site of a module's forward: ``.output`` and ``.inputs`` hook points."""
+    """One call site: ``.output`` and ``.inputs`` hook points, and ``.source`` of the function it calls."""
 
     def __init__(self, source, info):
-        self.source = source
+        self.source_of_parent = source
         self.info = info
         self._output = SourcePoint(self, "output")
         self._inputs = SourcePoint(self, "inputs")
+        self._callee_sources = {}
 
     @property
     def output(self) -> "SourcePoint":
@@ -338,8 +367,66 @@ class SourceOp:
     def code(self) -> str:
         return self.info.text
 
+    def describe(self) -> str:
+        return f"{self.source_of_parent._prefix}.{self.name}"
+
+    # ------------------------------------------------------------ nesting
+    @property
+    def source(self) -> Source:
+        """The calls inside the Python function this call site calls, as hook points.
+
+        The callee is found from the code (a global function, a method of
+        ``self``, a function of an imported module) or, when it is chosen at
+        run time (``attention_interface = ...``), from an earlier run that
+        used this module's source points; otherwise name it with
+        :meth:`source_of`.
+        """
+        callee = self._callee()
+        if callee is None:
+            raise AttributeError(
+                f"{self.describe()} calls a function chosen at run time ({self.code}); name it: "
+                f"`.source_of(the_function)`, or run once with any source point of this module awaited")
+        return self.source_of(callee)
+
+    def source_of(self, fn) -> Source:
+        """The source of ``fn`` as called from this call site (its points fire when this site calls ``fn``)."""
+        import torch
+        if isinstance(fn, torch.nn.Module):
+            raise TypeError(f"{self.describe()} calls a module; use the module's own envoy `.source` instead")
+        target = getattr(fn, "__func__", fn)
+        if not isinstance(target, types.FunctionType):
+            raise TypeError(f"{self.describe()}: {fn!r} is not a Python function, it has no source to hook")
+        src = self._callee_sources.get(target)
+        if src is None:
+            src = self._callee_sources[target] = Source(self.source_of_parent._envoy, source_info(target), self)
+            src._target = target
+        return src
+
+    def _callee(self):
+        info = self.info
+        spec = info.func_path
+        parent_info = self.source_of_parent._info
+        if spec is not None:
+            root, parts = spec[0], spec[1:]
+            obj = _MISSING
+            if root == "self" and self.source_of_parent._parent is None:
+                obj = type(self.source_of_parent._envoy._module)
+            elif root in parent_info.fn.__globals__:
+                obj = parent_info.fn.__globals__[root]
+            for part in parts:
+                if obj is _MISSING or obj is None:
+                    break
+                obj = getattr(obj, part, None)
+            target = getattr(obj, "__func__", obj)
+            if isinstance(target, types.FunctionType):
+                return target
+        return parent_info.seen.get(info.index)
+
     def __repr__(self):
-        return f"<source op {_path(self.source._envoy)}.source.{self.name} (line {self.line}): {self.code}>"
+        return f"<source op {self.describe()} (line {self.line}): {self.code}>"
+
+
+_MISSING = object()
 
 
 def _path(envoy):
@@ -354,14 +441,14 @@ class SourcePoint(PointTrap):
     def __init__(self, op, kind):
         self.op = op
         self.kind = kind
-        self.envoy = op.source._envoy
+        self.envoy = op.source_of_parent._envoy
         self.key = self
         self.read = None
         self.write = None
         self.base_kind = kind
 
     def describe(self) -> str:
-        return f"{_path(self.envoy)}.source.{self.op.name}.{self.kind}"
+        return f"{self.op.describe()}.{self.kind}"
 
     def __repr__(self):
         return f"<source point {self.describe()} (line {self.op.line})>"
@@ -390,33 +477,42 @@ class SourcePoint(PointTrap):
             raise NotInRunError(f"{self.describe()} belongs to another wrapped model")
         patches = run.__dict__.setdefault("_source_patches", {})
         module = envoy._module
-        patch = patches.get(module)
-        if patch is None:
+        calls = patches.get(module)
+        if calls is None:
             if envoy.inputs.key in run._active:
                 raise OutOfOrderError(
                     f"awaited {self.describe()} while {_path(envoy)} is starting (at its input): torch has already "
                     "chosen the forward for this call, so a source point can only be added before the module "
                     f"starts. Wait for both at once: `x, v = await ai.gather({_path(envoy)}.input, "
-                    f"{_path(envoy)}.source.{self.op.name}.{self.kind})`, or await the source point first")
-            patch = patches[module] = _Patch(run, module, self.op.source._info)
+                    f"{self.describe()})`, or await the source point first")
+            calls = patches[module] = _Calls(run, source_of(envoy)._info)
+            calls.install(module)
             if module not in run._kept:
                 run._kept.add(module)
                 run._handles.append(module.register_forward_pre_hook(run._keepalive))
             run._keep_ancestors(envoy)
-        patch.want(self)
+        # walk down from the module's forward through the call sites whose callees hold this point
+        chain = []
+        src = self.op.source_of_parent
+        while src._parent is not None:
+            chain.append(src)
+            src = src._parent.source_of_parent
+        for nested in reversed(chain):
+            calls = calls.child(nested._parent.info.index, nested._target, nested._info)
+        calls.want(self)
 
 
-class _Patch:
-    """The rewritten forward set on one module for one run, and the calls it delivers."""
+class _Calls:
+    """For one run: a rewritten function (a module's forward, or a callee inside it) and the calls it delivers."""
 
-    def __init__(self, run, module, info):
-        if "forward" in module.__dict__:
-            raise NotInRunError(
-                f"{type(module).__name__}.forward was replaced on this instance (by another library or a skip "
-                "in this run); source-level hook points need the class's own forward")
+    def __init__(self, run, info, target=None):
         n = len(info.ops)
+        self.info = info
+        self.target = target
         self.outputs = outputs = [None] * n
         self.inputs = inputs = [None] * n
+        self.children = children = {}
+        seen = info.seen
         fire = run.fire
 
         def __ai_call__(index, fn, *args, **kwargs):
@@ -428,7 +524,16 @@ class _Patch:
                 if new is not None:
                     args, kwargs = new
                     args = tuple(args)
-            out = fn(*args, **kwargs)
+            callee = getattr(fn, "__func__", fn)
+            seen[index] = callee
+            child = children.get(index) if children else None
+            if child is not None and callee is child.target:
+                if callee is not fn:   # a bound method: pass its self
+                    out = child.function(fn.__self__, *args, **kwargs)
+                else:
+                    out = child.function(*args, **kwargs)
+            else:
+                out = fn(*args, **kwargs)
             p = outputs[index]
             if p is not None:
                 new = fire(p, out)
@@ -436,17 +541,33 @@ class _Patch:
                     out = new
             return out
 
+        self.run = run
+        self.function = info.build(__ai_call__)
+        self.module = None
+        self.forward = None
+
+    def install(self, module):
+        if "forward" in module.__dict__:
+            raise NotInRunError(
+                f"{type(module).__name__}.forward was replaced on this instance (by another library or a skip "
+                "in this run); source-level hook points need the class's own forward")
         self.module = module
-        self.forward = types.MethodType(info.build(__ai_call__), module)
+        self.forward = types.MethodType(self.function, module)
         module.__dict__["forward"] = self.forward
-        run._handles.append(self)
+        self.run._handles.append(self)
+
+    def child(self, index, target, info):
+        c = self.children.get(index)
+        if c is None or c.target is not target:
+            c = self.children[index] = _Calls(self.run, info, target)
+        return c
 
     def want(self, point):
         table = self.outputs if point.kind == "output" else self.inputs
         table[point.op.info.index] = point
 
     def remove(self):
-        if self.module.__dict__.get("forward") is self.forward:
+        if self.module is not None and self.module.__dict__.get("forward") is self.forward:
             del self.module.__dict__["forward"]
 
 
