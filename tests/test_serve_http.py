@@ -613,3 +613,22 @@ def test_cli_serve_subprocess():
 def test_cli_refuses_non_loopback():
     from asyncinterp.serve.cli import main
     assert main(["tiny-gpt2", "--host", "0.0.0.0"]) == 2
+
+
+def test_intervention_raising_systemexit_does_not_stop_the_server(model):
+    server = make_server(model)
+
+    @server.intervention("quit")
+    async def quit_(m):
+        await m.transformer.h[0].output
+        raise SystemExit(3)
+
+    srv = Live(server)
+    try:
+        with Client(srv.url, api_key=KEY) as c:
+            with pytest.raises(RemoteError) as info:
+                c.trace(PROMPTS[0], "quit")
+            assert info.value.status == 422 and info.value.type == "SystemExit"
+            assert torch.equal(c.trace(PROMPTS[0], "last"), solo(model, PROMPTS[0]))
+    finally:
+        srv.close()

@@ -578,7 +578,7 @@ class Server:
             tg.start_soon(watch, tg.cancel_scope)
             try:
                 outcome["value"] = await fn()
-            except (Exception, SandboxTimeout) as exc:
+            except _INTERVENTION_ERRORS as exc:   # incl. SystemExit etc. raised by an intervention
                 outcome["exc"] = exc
             finally:
                 tg.cancel_scope.cancel()
@@ -711,11 +711,16 @@ class Server:
                 except wire.WireError as exc:
                     chunk = wire.packb({"event": "error", "ok": False, "error": wire.encode_error(exc, "intervention")})
                 yield chunk
-        except (Exception, SandboxTimeout) as exc:
+        except _INTERVENTION_ERRORS as exc:
             fail = self._run_error(exc, {})
             yield wire.packb({"event": "error", "ok": False, "status": fail.status, "error": fail.error})
         finally:
             await events.aclose()
+
+
+# what a request may fail with (an intervention may raise even SystemExit/KeyboardInterrupt: it must not
+# take the server down); cancellation and GeneratorExit are not in this list and propagate
+_INTERVENTION_ERRORS = (Exception, SandboxTimeout, SystemExit, KeyboardInterrupt)
 
 
 def _takes_on_shutdown():
