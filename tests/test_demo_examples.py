@@ -10,6 +10,15 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 SCRIPTS = ["lm_quickstart.py", "causal_tracing.py", "steering_generation.py", "logit_lens.py"]
 
 
+@pytest.fixture(autouse=True)
+def restore_grad_mode():
+    """The scripts/pages switch autograd off globally (inference only); later tests need it back."""
+    import torch
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
+
+
 def run_example(name, model, monkeypatch):
     monkeypatch.setattr(sys, "argv", [name, "--model", model])
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -7,6 +7,15 @@ from docsnippets import python_blocks, run_page
 pytestmark = pytest.mark.smollm2
 
 
+@pytest.fixture(autouse=True)
+def restore_grad_mode():
+    """The scripts/pages switch autograd off globally (inference only); later tests need it back."""
+    import torch
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
+
+
 def test_language_models_page_runs(capsys):
     assert len(python_blocks("language-models.md")) >= 6
     ns = run_page("language-models.md")

@@ -402,3 +402,58 @@ def test_generated_outside_generation(lm):
         return m.generated
     with pytest.raises(ai.NotInRunError, match="generate"):
         lm.trace(PROMPT, peek)
+
+
+# ------------------------------------------------------------------ cancellation and cleanup
+
+def test_cancelling_agenerate_stops_at_next_step_and_cleans_up(lm):
+    import time
+
+    from conftest import hook_count
+
+    async def slow(m):
+        async for _ in m.steps():
+            await m.model.layers[0].output
+            time.sleep(0.02)            # a slow intervention: 200 steps would take > 4 s
+
+    async def main():
+        with anyio.fail_after(0.5):
+            await lm.agenerate(PROMPT, slow, max_new_tokens=200)
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        anyio.run(main)
+    assert time.perf_counter() - start < 3.0
+    assert hook_count(lm.module) == 0
+    assert lm.generate(PROMPT, max_new_tokens=2).tokens.shape == (2,)   # the model works as before
+
+
+def test_no_references_left_after_many_generations(lm):
+    import gc
+    import weakref
+
+    from conftest import hook_count
+
+    class Marker:
+        pass
+    refs = []
+
+    async def keeps(m):
+        marker = Marker()
+        refs.append(weakref.ref(marker))
+        async for step in m.steps():
+            h = await m.model.layers[0].output
+            refs.append(weakref.ref(h))
+            if step == 1 and len(refs) % 3 == 0:
+                raise RuntimeError("fails sometimes")
+        return None
+
+    for _ in range(60):
+        try:
+            gen = lm.generate(["Hi", PROMPT], keeps, max_new_tokens=3)
+            del gen
+        except RuntimeError:
+            pass
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+    assert hook_count(lm.module) == 0
+    assert all(hook_count(p.envoy.module) == 0 for p in lm._taps.values())
