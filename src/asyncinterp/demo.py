@@ -121,15 +121,24 @@ class Tracing:
 
 
 def causal_trace(lm, clean=CLEAN, corrupt=CORRUPT, target=TARGET, progress=False) -> Tracing:
+    """Patch every layer's clean residual stream into the corrupted run: at all subject tokens, and at each position.
+
+    Positions before the first subject token hold the same states in both
+    runs (the prompts agree up to there and attention is causal), so they are
+    not run: patching them cannot change anything.
+    """
     tid = target_id(lm, target)
     subject = subject_positions(lm, clean, corrupt)
     states, p_clean = record_layers(lm, clean)
     _, p_corrupt = record_layers(lm, corrupt)
     n = states[0].shape[1]
-    cols = [subject] + [[p] for p in range(n)]
+    first = subject[0] if subject else 0
+    cols = [subject] + [[p] for p in range(first, n)]
     table = patch_runs(lm, corrupt, states, tid, cols, progress, desc="causal tracing")
+    by_position = torch.full((table.shape[0], n), float(p_corrupt[tid]))
+    by_position[:, first:] = table[:, 1:]
     tokens = [lm.decode([t]) for t in lm.tokenizer(clean)["input_ids"]]
-    return Tracing(tokens, subject, table[:, 1:], table[:, 0], float(p_clean[tid]), float(p_corrupt[tid]))
+    return Tracing(tokens, subject, by_position, table[:, 0], float(p_clean[tid]), float(p_corrupt[tid]))
 
 
 def format_tracing(tr: Tracing, target=TARGET) -> str:
@@ -266,8 +275,12 @@ def run_demo(lm=None, out_dir="asyncinterp-demo", progress=True, print_fn=print,
         print_fn(f"\n== 1. Next token ==\n{QUESTION!r} -> {answer!r}")
 
         print_fn(f"\n== 2. Causal tracing (activation patching, {n_layers} layers) ==")
+        t0 = time.perf_counter()
         tr = causal_trace(lm, progress=progress)
         print_fn(format_tracing(tr))
+        passes = tr.by_position.shape[1] - (tr.subject[0] if tr.subject else 0) + 1
+        print_fn(f"{passes * n_layers} patched runs in {passes} batched forward passes (one invoke per layer), "
+                 f"{time.perf_counter() - t0:.1f} s")
         png = save_heatmap(tr, os.path.join(out_dir, "causal_trace.png"))
         csv = save_csv(tr, os.path.join(out_dir, "causal_trace.csv"))
         print_fn(f"heatmap: {png}\nnumbers: {csv}")
