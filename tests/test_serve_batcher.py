@@ -431,3 +431,48 @@ def test_emit_outside_a_batcher_is_a_no_op(model):
         return (await m.transformer.h[0].output).shape
 
     assert model.trace(SAME_LEN[0], f) == (1, 5, 64)
+
+
+def test_stop_in_one_request_ends_only_that_request(model):
+    async def stopper(m):
+        h = (await m.transformer.h[0].output)[:, -1].clone()
+        m.stop()
+        return h
+
+    async def stop_then_wait(m):
+        await m.transformer.h[0].output
+        m.stop()
+        return await m.lm_head.output          # never comes: the request was stopped
+
+    async def main():
+        async with Batcher(model, max_batch=8, max_wait_ms=50, exact=True) as b:
+            return await asyncio.gather(b.trace(SAME_LEN[0], stopper), b.trace(SAME_LEN[1], last_logits),
+                                        b.trace(SAME_LEN[2], stop_then_wait), b.trace(SAME_LEN[3], last_logits),
+                                        return_exceptions=True)
+    res = run(main())
+    assert torch.equal(res[0], model.trace(SAME_LEN[0], stopper))
+    assert torch.equal(res[1], model.trace(SAME_LEN[1], last_logits))
+    assert isinstance(res[2], ai.RunStopped)
+    with pytest.raises(ai.RunStopped):
+        model.trace(SAME_LEN[2], stop_then_wait)
+    assert torch.equal(res[3], model.trace(SAME_LEN[3], last_logits))
+
+
+def test_stop_during_generation_keeps_tokens_so_far(model):
+    async def stop_at_2(m):
+        async for step in m.steps():
+            await m.transformer.h[0].output
+            if step == 2:
+                m.stop()
+                return step
+
+    async def main():
+        async with Batcher(model, max_batch=8, max_wait_ms=50) as b:
+            return await asyncio.gather(b.generate(SAME_LEN[0], stop_at_2, max_new_tokens=6),
+                                        b.generate(SAME_LEN[1], count_steps, max_new_tokens=6))
+    stopped, other = run(main())
+    solo = model.generate(SAME_LEN[0], stop_at_2, max_new_tokens=6)
+    assert stopped.result == solo.result == 2
+    assert stopped.tokens == solo.tokens.tolist() and len(stopped.tokens) == 2
+    assert other.result == list(range(6))
+    assert other.tokens == model.generate(SAME_LEN[1], max_new_tokens=6).tokens.tolist()

@@ -208,3 +208,31 @@ def test_traceback_shows_submitted_lines(model):
 
 def test_no_file_was_written():
     assert not os.path.exists("/tmp/pwned")
+
+
+@pytest.mark.parametrize("stmt", [
+    "torch.Tensor.softmax = None",               # would change the model's code for every request
+    "F.softmax.leak = h",                        # a channel between requests
+    "m.transformer.foo = h",
+    "del m.transformer.h",
+    "m.transformer.h[0].output += 1",
+    "h.output, b = 1, 2",
+    "h.output = b.output = 1",
+    "for m.x in []: pass",
+])
+def test_attribute_assignment_is_refused(stmt):
+    src = (f"import torch\nimport torch.nn.functional as F\nasync def f(m):\n    h = 1\n    b = 1\n"
+           f"    {stmt}\n")
+    with pytest.raises(SandboxRefused, match="not allowed|hook points"):
+        Program(src)
+
+
+def test_hook_point_assignment_only_on_the_model(model):
+    ok = ("import torch\nasync def f(m):\n    h = await m.transformer.h[0].output\n"
+          "    m.transformer.h[0].output = torch.zeros_like(h)\n    return (await m.transformer.h[1].input).abs().sum()\n")
+    out, _ = run_submitted(model, ok)
+    assert float(out) == 0.0
+    bad = ("import torch\nasync def f(m):\n    torch.Tensor.output = 1\n")
+    with pytest.raises(AttributeError, match="only assign hook points"):
+        run_submitted(model, bad)
+    assert not hasattr(torch.Tensor, "output")

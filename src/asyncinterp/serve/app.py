@@ -253,7 +253,13 @@ class Registered:
                 values[pname] = p.validate(params[pname], model)
             elif p.required:
                 raise BadRequest(f"intervention {self.name!r} needs parameter {pname!r}")
-        return functools.partial(self.fn, **values)
+        fn = self.fn
+
+        async def bound(m):
+            return await fn(m, **values)
+
+        bound.__name__ = bound.__qualname__ = self.name
+        return bound
 
     def describe(self):
         return {"doc": self.doc, "params": {k: p.describe() for k, p in self.params.items()}}
@@ -383,8 +389,13 @@ class Server:
             if _takes_on_shutdown() else Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                                                     lifespan=_lifespan(shutdown))
 
-    def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **uvicorn_kwargs) -> None:
-        """Serve with uvicorn (blocking)."""
+    def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+            allow_non_loopback: bool = False, **uvicorn_kwargs) -> None:
+        """Serve with uvicorn (blocking), on a loopback address unless ``allow_non_loopback``."""
+        from .cli import is_loopback
+        if not is_loopback(host) and not allow_non_loopback:
+            raise ValueError(f"refusing to bind {host!r}: only loopback addresses unless allow_non_loopback=True "
+                             "(and then put TLS and real authentication in front)")
         import uvicorn
         uvicorn.run(self.app, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
 

@@ -29,6 +29,7 @@ result is delivered at once, before the longer requests finish.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import threading
@@ -237,6 +238,15 @@ def _snapshot(value, depth=0):
     if isinstance(value, dict):
         return {k: _snapshot(v, depth + 1) for k, v in value.items()}
     return value
+
+
+def _stop_one_invoke(run):
+    task = current_task()
+    kernel = run.kernel
+    if task is None or kernel is None:
+        raise RuntimeError("m.stop() can only be called inside an intervention")
+    run._serve_stopped.add(task.group)
+    kernel.cancel_group(task.group)
 
 
 def _invoke_value(inv):
@@ -534,6 +544,11 @@ class Batcher:
                 if r.state != "running":
                     continue
                 r.invoke = None
+                r.tokens = None
+                r.emitted = []
+                if r.streamed:
+                    r.event({"event": "restart"})   # its events so far came from the failed shared run
+                r.streamed = 0
                 try:
                     self._run([r])
                 except BaseException as solo_exc:  # noqa: BLE001
@@ -550,6 +565,10 @@ class Batcher:
             run = model.trace(on_error="continue")
         requests = {}
         run._serve_requests = requests
+        run._serve_stopped = set()
+        # m.stop() from one request ends that request only (its unfinished tasks are closed at the next hook
+        # point, as a stopped run would leave them); the shared forward goes on for the others
+        run.stop = functools.partial(_stop_one_invoke, run)
         for r in live:
             try:
                 inv = run.invoke(r.input, *r.fns, **r.kwargs)
@@ -696,6 +715,10 @@ class _GenerationWatch:
             rows = ids[span[0]:span[1]] if span is not None else ids
             if r.tokens is None:
                 r.tokens = [[] for _ in rows]
+            if idx in run._serve_stopped:   # m.stop() during this step: like a stopped run, no token from it
+                kernel.end_group(idx)
+                self.batcher._finish_generation(run, r, early=True)
+                continue
             done_rows = 0
             for row_tokens, t in zip(r.tokens, rows):
                 if row_tokens and row_tokens[-1] in eos:

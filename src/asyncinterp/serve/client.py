@@ -58,9 +58,9 @@ def intervention_spec(intervention, params: dict | None = None) -> dict | None:
         params = {**intervention.keywords, **params}
         intervention = intervention.func
     if isinstance(intervention, str):
-        if intervention.isidentifier():
-            return {"name": intervention, "params": params}
-        return {"source": textwrap.dedent(intervention), "params": params}
+        if "async def" in intervention or "\n" in intervention:
+            return {"source": textwrap.dedent(intervention), "params": params}
+        return {"name": intervention, "params": params}
     if inspect.iscoroutinefunction(intervention):
         try:
             source = textwrap.dedent(inspect.getsource(intervention))

@@ -136,10 +136,14 @@ def _where(node) -> str:
     return f"line {getattr(node, 'lineno', '?')}"
 
 
+POINT_NAMES = frozenset({"output", "input", "inputs", "logits", "tokens"})
+
+
 class _Checker(ast.NodeVisitor):
     def __init__(self):
         self.nodes = 0
         self.depth = 0
+        self.allowed_stores = set()
 
     def generic_visit(self, node):
         self.nodes += 1
@@ -187,6 +191,16 @@ class _Checker(ast.NodeVisitor):
 
     def visit_Attribute(self, node):
         _check_attr(node.attr, node)
+        if not isinstance(node.ctx, ast.Load) and id(node) not in self.allowed_stores:
+            raise SandboxRefused(
+                f"assigning or deleting attribute {node.attr!r} is not allowed in submitted code ({_where(node)}); "
+                "only hook points can be assigned (`m.layer.output = value`, as a single assignment)")
+        self.generic_visit(node)
+
+    def visit_Assign(self, node):
+        if len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute) \
+                and node.targets[0].attr in POINT_NAMES:
+            self.allowed_stores.add(id(node.targets[0]))
         self.generic_visit(node)
 
     def visit_Name(self, node):
@@ -336,8 +350,19 @@ def check_source(source: str) -> ast.Module:
 _TICK = "__ai_tick__"
 
 
+_SETPOINT = "__ai_setpoint__"
+
+
 def _tick_call():
     return ast.Call(func=ast.Name(id=_TICK, ctx=ast.Load()), args=[], keywords=[])
+
+
+def _setpoint(obj, name, value):
+    """``obj.name = value`` in submitted code: only hook points of the model envoy may be assigned."""
+    if not isinstance(obj, SafeEnvoy):
+        raise AttributeError(f"cannot assign {name!r} here: submitted code may only assign hook points of the "
+                             f"model (`m.layer.{name} = value`)")
+    setattr(obj, name, value)
 
 
 class _Instrument(ast.NodeTransformer):
@@ -352,6 +377,16 @@ class _Instrument(ast.NodeTransformer):
     def visit_Lambda(self, node):
         self.generic_visit(node)
         node.body = ast.BoolOp(op=ast.And(), values=[_tick_call(), node.body])
+        return node
+
+    def visit_Assign(self, node):
+        self.generic_visit(node)
+        target = node.targets[0]
+        if len(node.targets) == 1 and isinstance(target, ast.Attribute):
+            # the base of a store target is already a Load expression
+            call = ast.Call(func=ast.Name(id=_SETPOINT, ctx=ast.Load()),
+                            args=[target.value, ast.Constant(target.attr), node.value], keywords=[])
+            return ast.copy_location(ast.Expr(value=call), node)
         return node
 
     def visit_comprehension(self, node):
@@ -691,7 +726,7 @@ class Program:
         """A fresh intervention for one request: ``(fn, clock)``; runs the module body (defs and imports only)."""
         self.check_params(params)
         clock = _Clock(deadline)
-        g = {"__builtins__": safe_builtins(), "__name__": "submitted", _TICK: clock.tick}
+        g = {"__builtins__": safe_builtins(), "__name__": "submitted", _TICK: clock.tick, _SETPOINT: _setpoint}
         exec(self.code, g)  # noqa: S102 - checked and restricted above; top level holds only defs/imports/literals
         entry = g[self.entry]
 
