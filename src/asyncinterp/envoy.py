@@ -206,6 +206,10 @@ class Envoy:
             f"(e.g. .output, .input) can be assigned, inside an intervention")
 
     def __getitem__(self, index):
+        if type(index) is int and index >= 0:  # ModuleList/Sequential: children are named "0", "1", ...
+            child = self._children.get(str(index))
+            if child is not None:
+                return child
         keys = list(self._module._modules)
         if isinstance(index, str):
             return self.child(index)

@@ -10,6 +10,7 @@ reference it took before it returns.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -52,6 +53,8 @@ class Invoke:
         invoke's ``result`` then raises ``RunCancelled``. (``Run.cancel`` stops
         the whole run instead.)
         """
+        if self.run.done:   # too late: it finished; keep its result
+            return
         self.cancelled = True
         kernel = self.run.kernel
         if kernel is not None:
@@ -481,7 +484,23 @@ def _fn_name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+_checked = weakref.WeakSet()
+
+
 def _check_intervention(fn) -> None:
+    try:
+        if fn in _checked:
+            return
+    except TypeError:  # unhashable callables are checked every time
+        pass
+    _check_intervention_once(fn)
+    try:
+        _checked.add(fn)
+    except TypeError:
+        pass
+
+
+def _check_intervention_once(fn) -> None:
     if inspect.iscoroutine(fn):
         raise TypeError(
             f"got a coroutine object {fn!r}; pass the async function itself (e.g. `fn`, not `fn(m)`), "

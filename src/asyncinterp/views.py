@@ -81,8 +81,11 @@ class BatchLayout(Layout):
         return span
 
     def view(self, value, group):
-        if self.spans[group] is None:
+        span = self.spans[group]
+        if span is None:
             return value
+        if type(value) is torch.Tensor:
+            return value[span] if value.dim() and value.shape[0] == self.batch_size else value
 
         def cut(t):
             idx = self.index(t, group)
