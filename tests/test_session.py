@@ -108,3 +108,29 @@ def test_sessions_page_runs(capsys):
     out = capsys.readouterr().out
     assert "2 []" in out and "UnsetFutureError ['later']" in out
     assert torch.equal(ns["result"], ns["patched"])
+
+
+def test_session_value_steers_a_later_generation():
+    pytest.importorskip("asyncinterp.models.language")
+    from asyncinterp.models import tiny
+    lm = tiny("llama")
+    with lm.session() as s:
+        async def direction(m):
+            h = await m.layers[0].output
+            s["dir"].set_result(h[0, -1].clone() * 5)
+
+        async def steer(m):
+            async for _ in m.steps():
+                h = await m.layers[0].output
+                h += await s["dir"]
+
+        s.trace("Paris is a city", direction)
+        gen = s.generate("Once upon a time", steer, max_new_tokens=3)
+        vec = s["dir"].result()
+
+    handle = lm.module.model.layers[0].register_forward_hook(lambda mod, a, o: o + vec)
+    try:
+        want = lm.generate("Once upon a time", max_new_tokens=3)
+    finally:
+        handle.remove()
+    assert torch.equal(gen.tokens, want.tokens)

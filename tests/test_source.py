@@ -282,3 +282,90 @@ def test_source_page_runs(capsys):
     assert "nn_functional_softmax_0" in out
     shapes = ns["shapes"]
     assert len(shapes) == 3 and shapes[1][2] == 1
+
+
+def test_gradient_of_attention_weights_equals_autograd(llama_hf):
+    m = ai.wrap(llama_hf)
+    ids = _ids(2, 5, seed=7)
+
+    async def fn(m):
+        op = m.model.layers[1].self_attn.source.attention_interface_0
+        g = await ai.spawn(op.output.grad)          # gradient w.r.t. attn_output (first tensor)
+        logits = await m.lm_head.output
+        await m.backward(logits[:, -1, 3].sum())
+        return await g
+
+    got = m.trace(ids, fn)
+    saved = {}
+    o_proj = llama_hf.model.layers[1].self_attn.o_proj
+    h = o_proj.register_forward_pre_hook(lambda mod, a: saved.update(x=a[0]))
+    logits = llama_hf(ids).logits
+    h.remove()
+    (want,) = torch.autograd.grad(logits[:, -1, 3].sum(), saved["x"])
+    # attn_output is reshaped [B, T, H, D] -> [B, T, H*D] before o_proj
+    torch.testing.assert_close(got.reshape(want.shape), want)
+    assert "forward" not in llama_hf.model.layers[1].self_attn.__dict__
+
+
+def test_cleanup_over_many_runs_with_toolkit_features(llama_hf):
+    """Source patches, gradient tensor hooks, cache taps and edits leave nothing behind, failing or not."""
+    import gc
+    import weakref
+
+    m = ai.wrap(llama_hf).edit(_noop_edit)
+    ids = _ids(1, 4)
+    runs, tensors = [], []
+    hooks_before = hook_count(llama_hf)   # transformers keeps its own hooks once output_attentions was used
+    for i in range(60):
+        cache = ai.Cache(["model.layers.0"])
+
+        async def fn(m, i=i):
+            op = m.model.layers[0].self_attn.source.attention_interface_0
+            out, w = await op.output
+            g = await ai.spawn(m.model.layers[1].output.grad)
+            logits = await m.lm_head.output
+            if i % 3 == 0:
+                raise ValueError("planned failure")
+            await m.backward(logits.sum())
+            grad = await g
+            tensors.append(weakref.ref(grad))
+            return w.sum().item()
+
+        run = m.trace()
+        run.invoke(ids, fn, cache)
+        if i % 3 == 0:
+            with pytest.raises(ValueError, match="planned"):
+                run.run()
+        else:
+            run.run()
+        runs.append(weakref.ref(run))
+        del run, cache, fn
+    gc.collect()
+    assert hook_count(llama_hf) == hooks_before
+    assert all("forward" not in mod.__dict__ for mod in llama_hf.modules())
+    assert all(r() is None for r in runs)
+    assert all(t() is None for t in tensors)
+    for p in llama_hf.parameters():
+        p.grad = None
+
+
+async def _noop_edit(m):
+    await m.model.layers[0].output
+
+
+class _OddDocstring(torch.nn.Module):
+    def forward(self, x):
+        """A docstring whose second line is not indented:
+like this one."""
+        return torch.sigmoid(x) * 3
+
+
+def test_forward_with_unindented_string_literal():
+    m = ai.wrap(_OddDocstring())
+
+    async def fn(m):
+        return await m.source.torch_sigmoid_0.output
+
+    x = torch.randn(4)
+    assert torch.equal(m.trace(x, fn), torch.sigmoid(x))
+    assert f"{_OddDocstring.forward.__code__.co_firstlineno:>4} |     def forward" in repr(m.source)

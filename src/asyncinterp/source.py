@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
 import threading
 import types
 
@@ -102,9 +101,16 @@ class SourceInfo:
                             "need a forward written in Python in a file") from None
         self.start = start
         self.lines = [line.rstrip("\n") for line in lines]
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-        ast.increment_lineno(tree, start - 1)
-        funcdef = tree.body[0]
+        # parse inside an `if 1:` block instead of dedenting: robust to string literals with odd indentation
+        text = "".join(lines)
+        if lines and lines[0][:1] in (" ", "\t"):
+            tree = ast.parse("if 1:\n" + text)
+            ast.increment_lineno(tree, start - 2)
+            funcdef = tree.body[0].body[0]
+        else:
+            tree = ast.parse(text)
+            ast.increment_lineno(tree, start - 1)
+            funcdef = tree.body[0]
         if not isinstance(funcdef, (ast.FunctionDef, ast.AsyncFunctionDef)):
             raise TypeError(f"{self.qualname} is not a function definition")
         self.decorators = [compile(ast.fix_missing_locations(ast.Expression(d)), self.filename, "eval")
@@ -436,9 +442,10 @@ def _path(envoy):
 class SourcePoint(PointTrap):
     """An awaitable source-level hook point (``envoy.source.<op>.output`` / ``.inputs``)."""
 
-    __slots__ = ("op", "kind", "envoy", "key", "read", "write", "base_kind")
+    __slots__ = ("op", "kind", "envoy", "key", "read", "write", "base_kind", "_grad")
 
     def __init__(self, op, kind):
+        self._grad = None
         self.op = op
         self.kind = kind
         self.envoy = op.source_of_parent._envoy
@@ -470,6 +477,18 @@ class SourcePoint(PointTrap):
         current_kernel().host.replace(self, task, value)
 
     set = replace
+
+    @property
+    def grad(self):
+        """The gradient at this call's result (or first tensor argument) during a backward pass."""
+        if self._grad is None:
+            from .grad import GradPoint
+            self._grad = GradPoint(self)
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        self.grad.replace(value)
 
     def activate_in(self, run, task) -> None:
         envoy = self.envoy
@@ -524,6 +543,10 @@ class _Calls:
                 if new is not None:
                     args, kwargs = new
                     args = tuple(args)
+                taps = run._taps.get(p)
+                if taps is not None:   # gradient capture
+                    for tap in taps:
+                        tap((args, kwargs))
             callee = getattr(fn, "__func__", fn)
             seen[index] = callee
             child = children.get(index) if children else None
@@ -539,6 +562,10 @@ class _Calls:
                 new = fire(p, out)
                 if new is not None:
                     out = new
+                taps = run._taps.get(p)
+                if taps is not None:   # gradient capture
+                    for tap in taps:
+                        tap(out)
             return out
 
         self.run = run
