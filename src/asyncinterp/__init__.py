@@ -52,6 +52,9 @@ def __getattr__(name):
     if name in ("LanguageModel", "Generation"):
         from .models import language, runs
         return getattr(language, name, None) or getattr(runs, name)
+    if name == "VLLM":  # needs vllm: imported on first use only
+        from .models.vllm import VLLM
+        return VLLM
     if name == "models":
         import importlib
         return importlib.import_module(".models", __name__)

@@ -13,6 +13,12 @@ than that, the await is out of order and fails at once. When a step ends,
 tasks still waiting on its points fail with ``MissedHookPoint``; nothing ever
 binds silently to a later step.
 
+Partial steps (continuous batching, e.g. vLLM): ``begin_step(active)`` names
+the invoke groups that take part in the new step. Tasks of the other groups
+sit the step out: their step loops do not advance, their point waits carry
+over to the group's next step instead of failing, and firings of the step do
+not resume them. ``active=None`` (the default) means every group.
+
 The kernel knows nothing about torch or modules. Its host (the run) supplies
 values, installs hooks lazily (``activate``), and answers whether a point that
 never fired this step has nevertheless already run (``already_ran``).
@@ -117,6 +123,7 @@ class Kernel:
         self.stop_requested = False
         self.cancel_requests = []  # invoke groups to close at the next hook point (any thread may append)
         self.ended = set()         # invoke groups whose run ended early (end_group)
+        self.active = None         # invoke groups taking part in the current step (None: all)
         self._seq = 0
 
     # ------------------------------------------------------------------ tasks
@@ -153,19 +160,22 @@ class Kernel:
         entries = self.waiters.get(key)
         if not entries:
             return
+        active = self.active
         if len(entries) == 1:
-            if entries[0][1] != n:
+            if entries[0][1] != n or (active is not None and entries[0][0].group not in active):
                 return
             due = entries
             del self.waiters[key]
         else:
-            due = [e for e in entries if e[1] == n]
+            due = [e for e in entries if e[1] == n and (active is None or e[0].group in active)]
             if not due:
                 return
             if len(due) == len(entries):
                 del self.waiters[key]
-            else:
+            elif active is None:
                 self.waiters[key] = [e for e in entries if e[1] != n]
+            else:
+                self.waiters[key] = [e for e in entries if e[1] != n or e[0].group not in active]
             if len(due) > 1:
                 due.sort(key=_order_of)
         previous = self.current_point
@@ -175,6 +185,9 @@ class Kernel:
                 if task.done or task.waiting is not trap:
                     continue
                 task.waiting = None
+                if task.step != self.step:  # a wait carried over from a step its invoke sat out
+                    task.step = self.step
+                    task.consumed = {}
                 task.consumed[key] = n + 1
                 task.position = trap
                 try:
@@ -188,14 +201,23 @@ class Kernel:
         finally:
             self.current_point = previous
 
-    def begin_step(self) -> None:
-        """A new step (forward pass) starts: close the old one, wake step waiters."""
+    def begin_step(self, active=None) -> None:
+        """A new step (forward pass) starts: close the old one, wake step waiters.
+
+        ``active``: the invoke groups that take part in the new step (``None``:
+        all). Tasks of other groups keep waiting, on steps or on points,
+        until a step their group takes part in.
+        """
         if self.cancel_requests:
             self._apply_cancels()
-        self._miss_points("before its step ended")
+        self._miss_points("before its step ended", self.active)
         self.step += 1
         self.fired.clear()
+        self.active = active
         waiting, self.step_waiters = self.step_waiters, []
+        if active is not None:
+            self.step_waiters = [t for t in waiting if t.group not in active]
+            waiting = [t for t in waiting if t.group in active]
         waiting.sort(key=lambda t: t.order)
         for task in waiting:
             if task.waiting is not None and not task.done:
@@ -320,9 +342,22 @@ class Kernel:
             _leave(prev)
 
     # ------------------------------------------------------------- internals
-    def _miss_points(self, when: str) -> bool:
+    def _miss_points(self, when: str, groups=None) -> bool:
         if not self.waiters:
             return False
+        if groups is not None:  # only the waits of these groups' step end; the others carry over
+            entries = []
+            for key in list(self.waiters):
+                lst = self.waiters[key]
+                mine = [e for e in lst if e[0].group in groups]
+                if mine:
+                    entries.extend(mine)
+                    rest = [e for e in lst if e[0].group not in groups]
+                    if rest:
+                        self.waiters[key] = rest
+                    else:
+                        del self.waiters[key]
+            return self._miss_entries(entries, when) if entries else False
         entries = [e for lst in self.waiters.values() for e in lst]
         self.waiters.clear()
         self._miss_entries(entries, when)
@@ -442,8 +477,10 @@ class Kernel:
         key = trap.key
         call = task.consumed.get(key, 0)
         fired = self.fired.get(key, 0)
-        if fired > call or (fired == 0 and self.current_point is not None
-                            and self.host.already_ran(trap, self.current_point)):
+        if self.active is not None and task.group not in self.active:
+            fired = call = 0  # its invoke sits this step out: the wait is for its next step
+        elif fired > call or (fired == 0 and self.current_point is not None
+                              and self.host.already_ran(trap, self.current_point)):
             where = await_site(task.coro)
             at = task.position.describe() if task.position is not None else "the start of the pass"
             nth = f" call #{call + 1}" if call else ""

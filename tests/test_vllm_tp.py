@@ -1,0 +1,117 @@
+"""Tensor parallel 2 (CPU, workers in subprocesses) gives the same tokens and values as TP=1.
+
+The same interventions run in both: reads of replicated points (layer
+outputs, logits), of sharded ones (column-parallel outputs, row-parallel
+inputs, the attention op's output, the activation), and writes to both kinds.
+Under TP=2 they run in every worker; sharded values are gathered for the
+tasks and re-sharded after, so nothing in the intervention code changes.
+"""
+
+import pytest
+import torch
+
+import asyncinterp as ai
+from vllm_helpers import ENGINE, make_tiny_dir, require_vllm
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The quick brown fox jumps", "Hello world, this is"]
+
+
+async def probe(m, edit=True):
+    """Reads everything interesting at every step (cloned at once) and edits two sharded points."""
+    out = {}
+
+    def keep(name, t):
+        out.setdefault(name, []).append(t.detach().clone())
+
+    layer0, layer1 = m.model.layers[0], m.model.layers[1]
+    async for step in m.steps():
+        keep("qkv", (await layer0.self_attn.qkv_proj.output)[0])
+        keep("attn", await layer0.self_attn.attn.output)
+        keep("o_in", await layer0.self_attn.o_proj.input)
+        keep("gate_up", (await layer0.mlp.gate_up_proj.output)[0])
+        keep("act", await layer0.mlp.act_fn.output)
+        keep("down_in", await layer0.mlp.down_proj.input)
+        keep("hidden0", await layer0.hidden)
+        qkv = (await layer1.self_attn.qkv_proj.output)[0]
+        if step == 1 and edit:
+            qkv[..., -16:] = 0.0                 # part of v: a write into a sharded tensor
+        o_in = await layer1.self_attn.o_proj.input
+        if step == 2 and edit:
+            m.model.layers[1].self_attn.o_proj.input = o_in * 1.5   # replacement of a sharded input
+        keep("hidden1", await layer1.hidden)
+        keep("logits", await m.logits)
+        keep("tokens", await m.tokens)
+    return out
+
+
+async def probe_read(m):
+    return await probe(m, edit=False)
+
+
+async def steer(m):
+    async for _ in m.steps():
+        h = await m.model.layers[0].hidden
+        h[:, -1] += 3.0
+
+
+async def force(m):
+    async for _ in m.steps():
+        (await m.logits)[:, 777] = 1e4
+
+
+async def boom(m):
+    await m.model.layers[1].mlp.gate_up_proj.output
+    raise KeyError("in the worker")
+
+
+def scenario(model):
+    with model.generate(max_new_tokens=4) as run:
+        a = run.invoke(PROMPTS[0], probe)
+        b = run.invoke(PROMPTS[1], steer)
+        c = run.invoke(PROMPTS[1], force, max_new_tokens=2)
+        d = run.invoke(PROMPTS[0], probe_read)
+    with pytest.raises(KeyError, match="in the worker") as info:
+        model.generate(PROMPTS[0], boom, max_new_tokens=2)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "gate_up_proj" in notes
+    return {"probe": a.result, "read": d.result, "tokens": [i.tokens.tolist() for i in (a, b, c, d)],
+            "texts": [i.text for i in (a, b, c, d)]}
+
+
+@pytest.fixture(scope="module")
+def tp_dir(tmp_path_factory):
+    # 2 query heads, 1 key/value head: under TP=2 the kv head is replicated on both ranks
+    require_vllm()
+    return make_tiny_dir(tmp_path_factory.mktemp("vllm-tp") / "model", seed=1)
+
+
+def test_tp2_equals_tp1(tp_dir):
+    require_vllm()
+    results = {}
+    for tp in (1, 2):
+        model = ai.VLLM(tp_dir, tensor_parallel_size=tp, **ENGINE)
+        try:
+            assert model.tp == tp
+            assert "qkv_proj" in repr(model.model.layers[0].self_attn)   # the driver mirrors the tree
+            results[tp] = scenario(model)
+        finally:
+            model.close()
+    one, two = results[1], results[2]
+    assert one["tokens"] == two["tokens"]
+    assert one["texts"] == two["texts"]
+    assert one["tokens"][2] == [777, 777]
+    for res in (one, two):                               # the edits of sharded points took effect
+        edited, read = res["probe"]["hidden1"], res["read"]["hidden1"]
+        torch.testing.assert_close(edited[0], read[0])
+        assert not torch.allclose(edited[1], read[1]) and not torch.allclose(edited[2], read[2])
+    for name, values in one["probe"].items():
+        assert len(values) == len(two["probe"][name]) == 4, name
+        for x, y in zip(values, two["probe"][name]):
+            assert x.shape == y.shape, name
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    # full (gathered) shapes, as the unsharded model has them
+    probe1 = one["probe"]
+    assert probe1["qkv"][0].shape[-1] == 64 + 32 + 32           # q (2 heads) | k (1) | v (1), head_dim 32
+    assert probe1["gate_up"][0].shape[-1] == 2 * 128

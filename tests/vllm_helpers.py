@@ -1,0 +1,44 @@
+"""Shared set-up for the vLLM tests: import vLLM (skip only if that fails), tiny model dirs, engine options."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=0)
+
+
+def require_vllm():
+    """Import vLLM, or skip the calling test/fixture saying why (the only reason these tests skip)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not usable here
+        pytest.skip(f"vLLM cannot be imported ({type(exc).__name__}: {exc}); install it with "
+                    "scripts/install_vllm.sh .venv (make setup does)")
+
+
+def make_tiny_dir(path, seed=0, **kwargs):
+    """A tiny random Llama (head_dim 32) saved for vLLM, with weights scaled so that greedy decoding
+    reacts to edits (the default init makes nearly flat logits)."""
+    from asyncinterp.models.bundled import tiny_llama
+    model, tok = tiny_llama(seed=seed, **kwargs)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.randn(emb.shape, generator=g))
+        for layer in model.model.layers:
+            for lin in (layer.mlp.down_proj, layer.self_attn.o_proj):
+                lin.weight.mul_(5.0)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
