@@ -146,13 +146,15 @@ def free_port():
 
 
 class ServerProc:
-    def __init__(self, model, max_batch):
+    def __init__(self, model, max_batch, threads=None):
         import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "asyncinterp.serve.cli", MODELS[model][0], "--port", str(self.port),
                "--max-batch", str(max_batch), "--max-wait-ms", "2" if max_batch > 1 else "0",
                "--max-queue", "1024", "--log-level", "warning", "--timeout", "300"]
+        if threads:
+            cmd += ["--threads", str(threads)]
         env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 180
@@ -218,7 +220,8 @@ def bench_model(name, args):
     servers = {}
     if args.http:
         print("   starting servers", flush=True)
-        servers = {"coalesced-http": ServerProc(name, 32), "one-by-one-http": ServerProc(name, 1)}
+        servers = {"coalesced-http": ServerProc(name, 32, args.threads),
+                   "one-by-one-http": ServerProc(name, 1, args.threads)}
     rows = []
     try:
         for n in args.clients:
@@ -297,7 +300,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--per-client", type=int, default=3, help="requests per client per round (x4 for N=1)")
     p.add_argument("--http", action="store_true", help="also measure through uvicorn + httpx")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads, here and in the --http servers (1 is the most robust on a "
+                        "shared machine: a parallel region waits for its slowest thread)")
     p.add_argument("--out", default=None, help="write benchmarks/results/serving-OUT.{md,json}")
     args = p.parse_args(argv)
     args.clients = [int(x) for x in args.clients.split(",")]
