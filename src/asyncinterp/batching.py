@@ -60,6 +60,8 @@ def batch_inputs(inputs):
     if len(given) == 1:
         args, kwargs = given[0][1]
         return args, kwargs, Layout()
+    if all(type(x) is torch.Tensor and x.dim() for x in inputs if x is not None):
+        return _batch_tensors(inputs)
     calls = [c for _, c in given]
     nargs = {len(a) for a, _ in calls}
     keys = {tuple(sorted(k)) for _, k in calls}
@@ -74,3 +76,22 @@ def batch_inputs(inputs):
         spans[i] = (start, start + n)
         start += n
     return args, kwargs, BatchLayout(spans, start)
+
+
+def _batch_tensors(inputs):
+    """Fast path: every invoke input is one tensor."""
+    spans = [None] * len(inputs)
+    parts = []
+    start = 0
+    for i, x in enumerate(inputs):
+        if x is not None:
+            n = x.shape[0]
+            spans[i] = (start, start + n)
+            start += n
+            parts.append(x)
+    try:
+        batched = torch.cat(parts, dim=0)
+    except RuntimeError as exc:
+        shapes = ", ".join(str(tuple(p.shape)) for p in parts)
+        raise ValueError(f"cannot batch invoke inputs: shapes {shapes} differ beyond dim 0") from exc
+    return (batched,), {}, BatchLayout(spans, start)

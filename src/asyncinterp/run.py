@@ -10,6 +10,7 @@ reference it took before it returns.
 from __future__ import annotations
 
 import inspect
+import itertools
 import weakref
 
 import torch
@@ -174,9 +175,9 @@ class Run:
             return
         module = envoy._module
         if base.base_kind == "output":
-            h = module.register_forward_hook(self._output_hook(base))
+            h = _add_hook(module._forward_hooks, self._output_hook(base))
         else:
-            h = module.register_forward_pre_hook(self._input_hook(base), with_kwargs=True)
+            h = _add_hook(module._forward_pre_hooks, self._input_hook(base), module._forward_pre_hooks_with_kwargs)
         self._handles.append(h)
         self._installed.add(base)
         self._keep_ancestors(envoy)
@@ -187,7 +188,7 @@ class Run:
         e = envoy._parent
         while e is not None and e._module not in self._kept:
             self._kept.add(e._module)
-            self._handles.append(e._module.register_forward_pre_hook(self._keepalive))
+            self._handles.append(_add_hook(e._module._forward_pre_hooks, self._keepalive))
             e = e._parent
         if self.cancellable:
             # async runs: siblings along the path check for cancellation too, so
@@ -197,7 +198,7 @@ class Run:
                 for sibling in e._parent._module._modules.values():
                     if sibling is not None and sibling not in self._kept:
                         self._kept.add(sibling)
-                        self._handles.append(sibling.register_forward_pre_hook(self._keepalive))
+                        self._handles.append(_add_hook(sibling._forward_pre_hooks, self._keepalive))
                 e = e._parent
 
     def _keepalive(self, module, args):
@@ -448,6 +449,33 @@ class Run:
         if len(failures) == 1:
             raise failures[0]
         raise ExceptionGroup(f"{len(failures)} interventions failed", list(failures))
+
+
+_hook_ids = itertools.count(-1, -1)  # negative keys: never collide with torch's own handle ids
+
+
+class _DictHook:
+    """A hook written straight into a module's hook dict (torch's handle objects cost ~2 µs each)."""
+
+    __slots__ = ("hooks", "key", "flags")
+
+    def __init__(self, hooks, key, flags):
+        self.hooks = hooks
+        self.key = key
+        self.flags = flags
+
+    def remove(self):
+        self.hooks.pop(self.key, None)
+        if self.flags is not None:
+            self.flags.pop(self.key, None)
+
+
+def _add_hook(hooks, fn, flags=None) -> _DictHook:
+    key = next(_hook_ids)
+    hooks[key] = fn
+    if flags is not None:
+        flags[key] = True
+    return _DictHook(hooks, key, flags)
 
 
 class _ForwardRestore:

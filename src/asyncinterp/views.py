@@ -85,7 +85,8 @@ class BatchLayout(Layout):
         if span is None:
             return value
         if type(value) is torch.Tensor:
-            return value[span] if value.dim() and value.shape[0] == self.batch_size else value
+            idx = self.index(value, group)
+            return value if idx is None else value[idx]
 
         def cut(t):
             idx = self.index(t, group)

@@ -125,6 +125,7 @@ class Kernel:
         self.ended = set()         # invoke groups whose run ended early (end_group)
         self.active = None         # invoke groups taking part in the current step (None: all)
         self._seq = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ tasks
     def spawn(self, coro, group, name=None, parent=None) -> Task:
@@ -315,6 +316,9 @@ class Kernel:
 
         Failures of sub-tasks that nobody awaited are reported here too.
         """
+        if self._closed:
+            return
+        self._closed = True
         for task in self.tasks:
             if not task.done:
                 self._close_task(task)
