@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.asyncinterp-installed
 
-.PHONY: setup demo test test-fast bench bench-serving vllm clean
+.PHONY: setup demo test test-fast bench bench-quick clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -24,8 +24,20 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not smollm2 and not vllm and not slow" tests
 
-bench: setup
-	$(PY) benchmarks/overhead.py
+# Benchmarks run in their own venv with nnsight (never a dependency of the library).
+BENCH_VENV ?= .venv-bench
+$(BENCH_VENV)/.installed: benchmarks/requirements-bench.txt pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install -q -r benchmarks/requirements-bench.txt
+	$(BENCH_VENV)/bin/python -m pip install -q -e .
+	@touch $@
+
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python benchmarks/overhead.py --out latest
+
+bench-quick: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python benchmarks/overhead.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info
