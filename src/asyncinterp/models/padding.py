@@ -26,7 +26,9 @@ edits reach the model, and replacements are written back into the same slots.
 
 from __future__ import annotations
 
-from ..views import BatchLayout
+import torch
+
+from ..views import BatchLayout, map_tensors
 
 
 class PaddedLayout(BatchLayout):
@@ -42,6 +44,18 @@ class PaddedLayout(BatchLayout):
         """A new pass: ``seq_len`` new positions, ``key_len`` positions in total (past + new)."""
         self.seq_len = int(seq_len)
         self.key_len = int(key_len)
+
+    def view(self, value, group):
+        # every tensor goes through `index` (the base class may take a rows-only fast path)
+        if self.spans[group] is None:
+            return value
+
+        def cut(t):
+            idx = self.index(t, group)
+            return t if idx is None else t[idx]
+        if type(value) is torch.Tensor:
+            return cut(value)
+        return map_tensors(cut, value)
 
     def index(self, tensor, group):
         span = super().index(tensor, group)
