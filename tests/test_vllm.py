@@ -492,3 +492,44 @@ def test_request_waiting_for_the_token_budget_sits_steps_out(vm, hf, clean_engin
             ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[1]
         torch.testing.assert_close(torch.cat([h for _, h in prefill], dim=1), ref, atol=1e-4, rtol=1e-4)
         assert len(inv.tokens) == 2
+
+
+def test_batcher_serves_vllm_requests(vm, clean_engine):
+    from asyncinterp.serve import Batcher
+
+    solo = [vm.generate(p, max_new_tokens=n).token_ids for p, n in ((PROMPTS[0], 3), (PROMPTS[1], 5))]
+
+    async def stopper(m):
+        async for step in m.steps():
+            await m.model.layers[0].output
+            if step == 1:
+                m.stop()                       # ends this request only
+                return "stopped"
+
+    async def boom(m):
+        await m.logits
+        raise ValueError("bad request")
+
+    async def main():
+        results = {}
+
+        async def go(key, coro):
+            try:
+                results[key] = await coro
+            except Exception as exc:  # noqa: BLE001
+                results[key] = exc
+
+        async with Batcher(vm, max_batch=8, max_wait_ms=100) as b:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(go, "a", b.generate(PROMPTS[0], max_new_tokens=3))
+                tg.start_soon(go, "b", b.generate(PROMPTS[1], stopper, max_new_tokens=5))
+                tg.start_soon(go, "c", b.generate(PROMPTS[2], boom, max_new_tokens=2))
+                tg.start_soon(go, "d", b.trace(PROMPTS[0], _read_logits))
+            return results, dict(b.stats)
+
+    res, stats = anyio.run(main)
+    assert res["a"].tokens == solo[0] and res["a"].text == vm.decode(solo[0])
+    assert res["b"].result == "stopped" and res["b"].tokens == solo[1][:1]
+    assert isinstance(res["c"], ValueError)
+    assert res["d"].shape == (1, vm.tokenizer.vocab_size) or res["d"].shape[0] == 1
+    assert stats["max_batch_seen"] >= 3

@@ -205,6 +205,7 @@ class VLLMRun(Trace):
         self.max_new_tokens = max_new_tokens
         self.sampling = dict(sampling or {})
         self._cancels = []
+        self._stop_seen = set()
 
     def invoke(self, input=None, *fns, sampling_params=None, **sampling) -> VLLMInvoke:
         """Add a prompt (``None``: an invoke that sees every request) and its interventions.
@@ -280,7 +281,8 @@ class VLLMRun(Trace):
                 payload = _dumps(payload)
             extras = None
             if model.tp == 1 and getattr(self, "_serve_requests", None) is not None:
-                extras = {"_serve_requests": self._serve_requests}
+                # serving (in process): serve.emit finds its requests, m.stop() ends one request only
+                extras = {"_serve_requests": self._serve_requests, "stop_one": "stop" in self.__dict__}
             model._rpc(rpc_open, self.on_error, payload, extras)
         except BaseException:
             _abort(engine, list(by_id))
@@ -302,11 +304,12 @@ class VLLMRun(Trace):
                     break
                 outs = engine.step()
                 halted = flags.halted
+                ended = self._stopped_invokes()
                 for out in outs:
                     inv = by_id.get(out.request_id)
                     if inv is None:
                         continue
-                    if not halted:
+                    if not halted and inv.index not in ended:
                         for c in out.outputs[:1]:
                             inv.token_ids.extend(c.token_ids)
                             inv._text.append(c.text)
@@ -320,6 +323,11 @@ class VLLMRun(Trace):
                         f"fire. {_COMPILE_HINT}.")
                 if halted:
                     break
+                if ended:
+                    ids = [inv.request_id for inv in mine if inv.index in ended and inv.request_id in pending]
+                    if ids:
+                        _abort(engine, ids)
+                        pending.difference_update(ids)
                 if pending and not engine.has_unfinished_requests():
                     break
         except BaseException:
@@ -340,6 +348,19 @@ class VLLMRun(Trace):
                                "were aborted and every hook was removed")
         if failures and self.on_error == "stop":
             self._raise(failures)
+
+    def _stopped_invokes(self) -> set:
+        """Invokes whose task called m.stop() in this step, in a run that stops one invoke at a time."""
+        session = self.model.__dict__.get("_local_session")
+        wrun = session.run if session is not None else None
+        if wrun is None or not wrun.stopped_groups:
+            return set()
+        new = wrun.stopped_groups - self._stop_seen
+        self._stop_seen |= new
+        served = getattr(self, "_serve_stopped", None)
+        if served is not None:
+            served |= new
+        return new
 
     def _apply_cancels(self, engine, pending):
         groups = set()

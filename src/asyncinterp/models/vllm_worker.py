@@ -324,6 +324,8 @@ class WorkerRun(Run):
         self.left = set()         # invoke groups whose request has finished
         self.halted = False
         self.nsteps = 0
+        self.stop_one = False     # m.stop() ends only the calling invoke's request (serving)
+        self.stopped_groups = set()
         self._recorder = None
         model = self.runner.model
         self._ranked = {}
@@ -484,7 +486,14 @@ class WorkerRun(Run):
         return self._ranked.get(envoy._module, 0)
 
     def stop(self) -> None:
-        Run.stop(self)
+        if not self.stop_one:
+            Run.stop(self)
+            return
+        task = current_task()
+        if task is None:
+            raise NotInRunError("m.stop() can only be called inside an intervention")
+        self.stopped_groups.add(task.group)     # the driver aborts the request after this step
+        self.kernel.cancel_group(task.group)    # its other tasks close at the next hook point
 
     # ------------------------------------------------------------- task info
     def generated(self, group) -> Generated:
