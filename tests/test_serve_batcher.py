@@ -13,6 +13,8 @@ from asyncinterp.models import tiny
 from asyncinterp.serve import Batcher, BatcherClosed, BatcherFull, emit
 
 # Prompts of 5 GPT-2 tokens each (with exact=True they share a forward without padding).
+# Tests that assert how requests were grouped use max_batch = their number of requests and a long
+# max_wait_ms: the batch then closes as soon as all have arrived, however slow the machine is.
 SAME_LEN = ["The cat sat on the", "A dog ran into a", "One two three four five", "Paris is the capital of",
             "I like green tea and", "We went to the big", "She said that he was", "It is a very good"]
 MIXED = ["Hello", "The Eiffel Tower is in the city of", "a b c", "Once upon a time there", "x y z w v u t s r q"]
@@ -50,7 +52,7 @@ def test_prompts_have_equal_length(model):
 
 def test_concurrent_requests_share_one_forward_and_equal_solo_runs(model):
     async def main():
-        async with Batcher(model, max_batch=16, max_wait_ms=100, exact=True) as b:
+        async with Batcher(model, max_batch=len(SAME_LEN), max_wait_ms=5000, exact=True) as b:
             res = await asyncio.gather(*[b.trace(p, last_logits) for p in SAME_LEN])
             return res, dict(b.stats)
     res, stats = run(main())
@@ -61,7 +63,7 @@ def test_concurrent_requests_share_one_forward_and_equal_solo_runs(model):
 
 def test_padded_batches_match_solo_runs_up_to_rounding(model):
     async def main():
-        async with Batcher(model, max_batch=16, max_wait_ms=100) as b:
+        async with Batcher(model, max_batch=len(MIXED), max_wait_ms=5000) as b:
             res = await asyncio.gather(*[b.trace(p, last_logits) for p in MIXED])
             return res, b.stats["batches"]
     res, batches = run(main())
@@ -85,7 +87,7 @@ def test_other_requests_edits_and_errors_never_change_a_result(model):
         return None
 
     async def main(neighbour):
-        async with Batcher(model, max_batch=16, max_wait_ms=100) as b:
+        async with Batcher(model, max_batch=2 * len(MIXED), max_wait_ms=5000) as b:
             tasks = [b.trace(p, last_logits if i % 2 == 0 else neighbour) for i, p in enumerate(MIXED * 2)]
             return await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -280,7 +282,7 @@ def test_generation_requests_leave_the_batch_at_their_own_length(model):
         return g
 
     async def main():
-        async with Batcher(model, max_batch=8, max_wait_ms=100) as b:
+        async with Batcher(model, max_batch=len(lengths), max_wait_ms=5000) as b:
             res = await asyncio.gather(*[one(b, p, n) for p, n in zip(SAME_LEN, lengths)])
             return res, b.stats["batches"]
     res, batches = run(main())
@@ -386,7 +388,7 @@ def test_plain_wrapped_model_batches_by_trailing_shape():
     xs = [torch.randn(n, 16) for n in (1, 3, 2, 4)]
 
     async def main():
-        async with Batcher(wrapped, max_batch=8, max_wait_ms=50) as b:
+        async with Batcher(wrapped, max_batch=4, max_wait_ms=500) as b:
             res = await asyncio.gather(*[b.trace(x, mid) for x in xs],
                                        b.trace(torch.randn(2, 8), mid), return_exceptions=True)
             return res, b.stats["batches"]

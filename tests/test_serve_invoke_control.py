@@ -173,3 +173,15 @@ def test_invoke_cancelled_before_run_never_starts():
         a.result
     assert b.result.shape == (1, 8)
     assert started == [1]
+
+
+def test_cancel_after_the_run_keeps_the_result():
+    model = ai.wrap(MLP())
+
+    async def fn(m):
+        return (await m.layers[1].output).clone()
+
+    with model.trace(on_error="continue") as run:
+        a = run.invoke(torch.randn(1, 8), fn)
+    a.cancel()                       # too late: a no-op
+    assert a.result.shape == (1, 8)
