@@ -558,6 +558,9 @@ class Batcher:
     def _run(self, live):
         model = self.model
         generating = live[0].kind == "generate"
+        # vLLM (ai.VLLM): every invoke is its own engine request with its own max_new_tokens, and it
+        # leaves the engine by itself; no watch over a shared generation is needed
+        native = generating and getattr(model, "native_requests", False)
         if generating:
             n_max = max(r.max_new_tokens for r in live)
             run = model.generate(max_new_tokens=n_max, on_error="continue", **live[0].gen)
@@ -571,7 +574,8 @@ class Batcher:
         run.stop = functools.partial(_stop_one_invoke, run)
         for r in live:
             try:
-                inv = run.invoke(r.input, *r.fns, **r.kwargs)
+                extra = {"max_new_tokens": r.max_new_tokens} if native else {}
+                inv = run.invoke(r.input, *r.fns, **r.kwargs, **extra)
             except Exception as exc:  # this request's input or intervention is invalid: only it fails
                 r.deliver(False, exc)
                 continue
@@ -579,7 +583,7 @@ class Batcher:
             r.attach(inv)
         if not requests:
             return
-        if generating:
+        if generating and not native:
             run.invoke(None, _GenerationWatch(self, run, requests))
         self._current = run
         try:
@@ -592,6 +596,8 @@ class Batcher:
             self._current = None
         for idx, r in requests.items():
             if generating:
+                if native and r.tokens is None:
+                    r.tokens = [list(r.invoke.token_ids)]
                 self._finish_generation(run, r)
             else:
                 try:
