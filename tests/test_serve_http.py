@@ -632,3 +632,8 @@ def test_intervention_raising_systemexit_does_not_stop_the_server(model):
             assert torch.equal(c.trace(PROMPTS[0], "last"), solo(model, PROMPTS[0]))
     finally:
         srv.close()
+
+
+def test_top_level_cli_has_serve():
+    from asyncinterp.cli import main
+    assert main(["serve", "tiny-gpt2", "--host", "192.168.1.1"]) == 2

@@ -34,8 +34,14 @@ def _add_demo(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _add_serve(subparsers) -> None:
+    # `asyncinterp serve`: defined in asyncinterp.serve.cli (needs the `serve` extra only when run)
+    from .serve.cli import add_parser
+    add_parser(subparsers)
+
+
 # Subcommands: functions that add a parser to `subparsers` and set `func`.
-COMMANDS = [_add_demo]
+COMMANDS = [_add_demo, _add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:
