@@ -236,3 +236,22 @@ def test_hook_point_assignment_only_on_the_model(model):
     with pytest.raises(AttributeError, match="only assign hook points"):
         run_submitted(model, bad)
     assert not hasattr(torch.Tensor, "output")
+
+
+def test_awaited_values_hide_other_objects(model):
+    # the root output carries the KV cache of the whole batch: submitted code sees None there
+    src = ("async def f(m):\n    out = await m.output\n"
+           "    return out.logits.shape, out['past_key_values'], sorted(out.keys())\n")
+    fn, _ = Program(src).bind({})
+    shape, cache, keys = model.generate(SAME_PROMPT, fn, max_new_tokens=2).result
+    assert cache is None and "logits" in keys and shape[0] == 1
+
+
+def test_replacements_must_be_tensors(model):
+    src = ("async def f(m):\n    out = await m.transformer.h[0].output\n"
+           "    m.transformer.h[0].output = (out, out)\n")
+    with pytest.raises(TypeError, match="tensors only"):
+        run_submitted(model, src)
+
+
+SAME_PROMPT = "Hello there world"

@@ -567,8 +567,43 @@ def _unwrap(x):
     return x
 
 
+class Record(dict):
+    """A model output (``ModelOutput`` and other mappings) as submitted code sees it: items and attributes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def sanitize(value, depth=0):
+    """What submitted code receives from an await: tensors (the live ones, so in-place edits work),
+    numbers, strings and containers of them; any other object (a KV cache holding every request's
+    keys and values, a module, a config) becomes ``None``."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if depth > 16:
+        return None
+    if isinstance(value, torch.Size):
+        return value
+    if isinstance(value, tuple):
+        return tuple(sanitize(v, depth + 1) for v in value)
+    if isinstance(value, list):
+        return [sanitize(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return Record((k, sanitize(v, depth + 1)) for k, v in value.items() if isinstance(k, (str, int)))
+    return None
+
+
+def _check_replacement_value(value):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"submitted code may replace hook points with tensors only, got {type(value).__name__}; "
+                        "for tuple or structured outputs, edit the awaited tensors in place")
+
+
 class SafePoint:
-    """A hook point for submitted code: awaitable, replaceable, nothing else."""
+    """A hook point for submitted code: awaitable, replaceable (by a tensor), nothing else."""
 
     __slots__ = ("_point",)
 
@@ -576,9 +611,11 @@ class SafePoint:
         object.__setattr__(self, "_point", point)
 
     def __await__(self):
-        return object.__getattribute__(self, "_point").__await__()
+        value = yield from object.__getattribute__(self, "_point").__await__()
+        return sanitize(value)
 
     def replace(self, value):
+        _check_replacement_value(value)
         return object.__getattribute__(self, "_point").replace(value)
 
     set = replace
@@ -629,6 +666,7 @@ class SafeEnvoy:
     def __setattr__(self, name, value):
         envoy = object.__getattribute__(self, "_envoy")
         if name in self._points():
+            _check_replacement_value(value)
             getattr(envoy, name).replace(value)
             return
         raise AttributeError(f"cannot set {name!r}: only hook points can be assigned")
