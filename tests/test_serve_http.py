@@ -386,7 +386,8 @@ def test_malformed_requests_400(live, body, match):
 def test_generate_400s(live):
     for obj, match in [({"input": "x", "max_new_tokens": 0}, "max_new_tokens"),
                        ({"input": "x", "max_new_tokens": 10**6}, "max_new_tokens"),
-                       ({"input": "x", "stream": "yes"}, "stream must be a bool")]:
+                       ({"input": "x", "stream": "yes"}, "stream must be a bool"),
+                       ({"input": "x " * 100, "max_new_tokens": 100}, "exceeds the model's context")]:
         r = post(f"{live.url}/v1/generate", wire.packb(obj))
         assert r.status_code == 400 and match in decode(r)["error"]["message"]
 
@@ -637,3 +638,8 @@ def test_intervention_raising_systemexit_does_not_stop_the_server(model):
 def test_top_level_cli_has_serve():
     from asyncinterp.cli import main
     assert main(["serve", "tiny-gpt2", "--host", "192.168.1.1"]) == 2
+
+
+def test_ai_serve_namespace():
+    import asyncinterp as ai
+    assert ai.serve.Client is Client and ai.serve.Server is Server and ai.serve.Batcher

@@ -448,6 +448,7 @@ class Server:
         return obj
 
     def _input(self, value):
+        """The checked input and its token count (0 for models without a tokenizer)."""
         if self.is_lm:
             if isinstance(value, str):
                 if not value:
@@ -460,19 +461,19 @@ class Server:
                     raise _Fail(400, "request", f"input: cannot tokenize ({type(exc).__name__})") from None
                 if n > self.max_prompt_tokens:
                     raise _Fail(400, "request", f"input: prompt of {n} tokens exceeds {self.max_prompt_tokens}")
-                return value
+                return value, n
             if isinstance(value, list) and value and all(type(t) is int for t in value):
                 if len(value) > self.max_prompt_tokens:
                     raise _Fail(400, "request", f"input: {len(value)} tokens exceed {self.max_prompt_tokens}")
                 vocab = self._vocab_size()
                 if any(t < 0 or t >= vocab for t in value):
                     raise _Fail(400, "request", f"input: token ids must be in [0, {vocab})")
-                return value
+                return value, len(value)
             raise _Fail(400, "request", "input must be a prompt string or a non-empty list of token ids")
         if isinstance(value, torch.Tensor):
-            return value
+            return value, 0
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-            return tuple(value)
+            return tuple(value), 0
         raise _Fail(400, "request", "input must be a tensor (or a list of tensors) for this model")
 
     def _vocab_size(self):
@@ -639,7 +640,7 @@ class Server:
             self._fields(obj, {"input", "intervention", "timeout"})
             if "input" not in obj:
                 raise _Fail(400, "request", "missing field 'input'")
-            x = self._input(obj["input"])
+            x, _ = self._input(obj["input"])
             timeout = self._timeout(obj)
             fn, on_cancel, label = self._intervention(obj.get("intervention"), time.monotonic() + timeout)
             fields["intervention"] = label
@@ -668,10 +669,14 @@ class Server:
             self._fields(obj, {"input", "intervention", "timeout", "max_new_tokens", "stream"})
             if "input" not in obj:
                 raise _Fail(400, "request", "missing field 'input'")
-            x = self._input(obj["input"])
+            x, length = self._input(obj["input"])
             n = obj.get("max_new_tokens", 20)
             if type(n) is not int or not 1 <= n <= self.max_new_tokens:
                 raise _Fail(400, "request", f"max_new_tokens must be an int in [1, {self.max_new_tokens}]")
+            ctx = getattr(self.model, "context_length", None)
+            if ctx and length + n > ctx:
+                raise _Fail(400, "request", f"a prompt of {length} tokens + {n} new tokens exceeds the model's "
+                                            f"context of {ctx}")
             stream = obj.get("stream", False)
             if type(stream) is not bool:
                 raise _Fail(400, "request", "stream must be a bool")
