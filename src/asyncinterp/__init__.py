@@ -55,7 +55,7 @@ def __getattr__(name):
     if name == "VLLM":  # needs vllm: imported on first use only
         from .models.vllm import VLLM
         return VLLM
-    if name == "models":
+    if name in ("models", "serve"):  # serve: needs the `serve` extra (msgpack, starlette, uvicorn, httpx)
         import importlib
-        return importlib.import_module(".models", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'asyncinterp' has no attribute {name!r}")
