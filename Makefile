@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.asyncinterp-installed
 
-.PHONY: setup demo test test-fast bench bench-quick clean
+.PHONY: setup demo test test-fast test-vllm bench bench-quick bench-vllm clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -23,6 +23,13 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not smollm2 and not vllm and not slow" tests
+
+# vLLM (CPU): scripts/install.sh installs it into $(VENV) through scripts/install_vllm.sh
+test-vllm: setup
+	$(PY) -m pytest -q -m vllm tests
+
+bench-vllm: setup
+	$(PY) benchmarks/vllm.py --out vllm
 
 # Benchmarks run in their own venv with nnsight (never a dependency of the library).
 BENCH_VENV ?= .venv-bench
