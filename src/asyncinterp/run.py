@@ -217,10 +217,29 @@ class Run:
             return False
         return order.already_ran(target[0], target[1], now[0], now[1])
 
-    def _output_hook(self, point):
-        kernel = self.kernel
+    def _deliver(self, key, firing) -> bool:
+        """Resume the tasks waiting on ``key`` with ``firing``; True if the model must stop now."""
         active = self._active
+        prev = active.get(key)
+        active[key] = firing
+        try:
+            self.kernel.provide(key, firing.view_for)
+        finally:
+            if prev is None:
+                del active[key]
+            else:
+                active[key] = prev
+        kernel = self.kernel
+        return bool(kernel.failures or kernel.stop_requested or self.cancelled) and (
+            kernel.interrupted or self.cancelled)
 
+    def _tapped(self, point, final) -> None:
+        taps = self._taps.get(point)
+        if taps is not None:
+            for tap in taps:
+                tap(final)
+
+    def _output_hook(self, point):
         def hook(module, args, output):
             if self._adhoc:
                 return None
@@ -229,51 +248,24 @@ class Run:
             if skips:
                 for group, value in skips:
                     firing.replace(group, point, value)
-            prev = active.get(point)
-            active[point] = firing
-            try:
-                kernel.provide(point, firing.view_for)
-            finally:
-                if prev is None:
-                    del active[point]
-                else:
-                    active[point] = prev
-            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
+            if self._deliver(point, firing):
                 raise _Interrupt()
             result = firing.result() if firing.replaced else None
-            taps = self._taps.get(point)
-            if taps is not None:
-                final = output if result is None else result
-                for tap in taps:
-                    tap(final)
+            if self._taps:
+                self._tapped(point, output if result is None else result)
             return result
         return hook
 
     def _input_hook(self, point):
-        kernel = self.kernel
-        active = self._active
-
         def hook(module, args, kwargs):
             if self._adhoc:
                 return None
             firing = _Firing(point, (args, kwargs), self.layout)
-            prev = active.get(point)
-            active[point] = firing
-            try:
-                kernel.provide(point, firing.view_for)
-            finally:
-                if prev is None:
-                    del active[point]
-                else:
-                    active[point] = prev
-            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
+            if self._deliver(point, firing):
                 raise _Interrupt()
-            new = firing.result()
-            taps = self._taps.get(point)
-            if taps is not None:
-                final = (args, kwargs) if new is None else new
-                for tap in taps:
-                    tap(final)
+            new = firing.result() if firing.replaced else None
+            if self._taps:
+                self._tapped(point, (args, kwargs) if new is None else new)
             if new is None:
                 return None
             new_args, new_kwargs = new
@@ -297,20 +289,8 @@ class Run:
         ``interrupt=False`` leaves stopping to the next module hook (for
         firings inside a backward pass).
         """
-        kernel = self.kernel
         firing = _Firing(point, value, self.layout)
-        key = point.key
-        active = self._active
-        prev = active.get(key)
-        active[key] = firing
-        try:
-            kernel.provide(key, firing.view_for)
-        finally:
-            if prev is None:
-                del active[key]
-            else:
-                active[key] = prev
-        if interrupt and (kernel.interrupted or self.cancelled):
+        if self._deliver(point.key, firing) and interrupt:
             raise _Interrupt()
         return firing.result()
 
