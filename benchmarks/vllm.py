@@ -20,9 +20,14 @@ Cases (same prompts, greedy, ``ignore_eos`` so every request makes exactly
 * ``ai: steer``   -- each invoke adds a vector to ``layers[L].hidden`` at every step.
 
 Timing: warm-up, then rounds; in every round each case runs once, in a
-freshly shuffled order. Reported: median seconds per generate call, tokens/s,
-and the throughput ratio to ``plain`` as the median of per-round (paired)
-ratios. Target: ``ai: read`` >= 0.9x plain at batch 16.
+freshly shuffled order. Reported per case: the best (minimum) and the median
+seconds per generate call, tokens/s at the best time, the throughput ratio to
+``plain`` of the best times, and the median of the per-round (paired) ratios.
+vLLM's CPU threads are pinned to cores and wait for each other at every op,
+so other processes on the machine make single timings vary by 10x and more;
+the best-of-rounds time is the robust number there (as ``timeit`` does), the
+medians show the spread. The load average is printed with the results.
+Target: ``ai: read`` >= 0.9x plain at batch 16.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2-135M")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per request")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--layer", type=int, default=None, help="layer to read/steer (default: the middle one)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, 16 tokens")
     ap.add_argument("--out", help="write benchmarks/results/OUT.{json,md}")
@@ -173,7 +178,9 @@ def main(argv=None) -> int:
     rows = []
     for label in cases:
         med = statistics.median(times[label])
-        rows.append({"case": label, "median_s": med, "tokens_per_s": expected / med,
+        best = min(times[label])
+        rows.append({"case": label, "best_s": best, "median_s": med, "tokens_per_s": expected / best,
+                     "best_ratio_to_plain": min(times["plain"]) / best,
                      "ratio_to_plain": statistics.median(ratios[label]),
                      "ratio_min": min(ratios[label]), "ratio_max": max(ratios[label]),
                      "cpu_s": statistics.median(cpu[label]),
@@ -208,12 +215,13 @@ def _table(rows, meta) -> str:
         "",
         f"load average at the end: {meta['load_avg_1min_at_end']}",
         "",
-        "| case | median s / generate | tokens/s | throughput vs plain, wall (median, min-max) | "
-        "vs plain, process CPU time |",
-        "|---|---:|---:|---:|---:|",
+        "| case | best s / generate | tokens/s (best) | throughput vs plain (best) | median s | "
+        "paired ratio (median, min-max) | process CPU time vs plain (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['median_s']:.3f} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['case']} | {r['best_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                     f"**{r['best_ratio_to_plain']:.2f}x** | {r['median_s']:.3f} | "
                      f"{r['ratio_to_plain']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
                      f"{r['cpu_ratio_to_plain']:.2f}x |")
     return "\n".join(lines)
