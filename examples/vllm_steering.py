@@ -1,8 +1,10 @@
 """Interventions inside a vLLM engine: three requests, continuous batching, one of them steered.
 
-    python examples/vllm_steering.py                 # SmolLM2-135M (bundled), tensor parallel 1
-    python examples/vllm_steering.py --tp 2          # the same with tensor parallel 2 (CPU workers)
-    python examples/vllm_steering.py --model DIR     # any local model directory vLLM can load
+    python examples/vllm_steering.py                      # SmolLM2-135M (bundled), tensor parallel 1
+    python examples/vllm_steering.py --model tiny --tp 2  # a tiny random Llama, tensor parallel 2 (CPU workers)
+    python examples/vllm_steering.py --model DIR          # any local model directory vLLM can load
+
+(SmolLM2-135M has 9 attention heads, which 2 ranks cannot split: use another model for --tp 2.)
 
 Each invoke is one vLLM request with its own sampling parameters and its own
 intervention; each intervention sees only its request's tokens. The steered
@@ -19,15 +21,20 @@ import asyncinterp as ai
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="a model directory (default: the bundled SmolLM2-135M)")
+    ap.add_argument("--model", default=None,
+                    help="a model directory, or 'tiny' (a random 2-layer Llama); default: the bundled SmolLM2-135M")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--tokens", type=int, default=12)
     args = ap.parse_args()
     if args.model is None:
         from asyncinterp.models.bundled import smollm2_dir
         args.model = str(smollm2_dir())
+    elif args.model == "tiny":
+        import tempfile
+        from asyncinterp.models.bundled import tiny_llama_dir
+        args.model = str(tiny_llama_dir(tempfile.mkdtemp(prefix="tiny-llama-"), seed=0))
 
-    model = ai.VLLM(args.model, dtype="float32", max_model_len=512, kv_cache_memory_bytes=128 << 20,
+    model = ai.VLLM(args.model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=128 << 20,
                     tensor_parallel_size=args.tp, seed=0)
     print(model)
     layer = len(model.model.layers) // 3
