@@ -11,41 +11,10 @@ from asyncinterp.kernel import (
     Kernel,
     MissedHookPoint,
     OutOfOrderError,
-    PointTrap,
     UnsetFutureError,
 )
 from asyncinterp.tasks import Steps
-
-
-class P(PointTrap):
-    """A fake hook point: awaiting it yields itself to the kernel."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, name):
-        self.key = name
-
-    def describe(self):
-        return self.key
-
-    def __await__(self):
-        return (yield self)
-
-
-class FakeHost:
-    """Plays the model: fixed point order, records activations."""
-
-    def __init__(self, order=("a", "b", "c", "d")):
-        self.order = list(order)
-        self.activated = []
-
-    def activate(self, trap, task):
-        self.activated.append(trap.key)
-
-    def already_ran(self, trap, current):
-        if trap.key not in self.order or current.key not in self.order:
-            return False
-        return self.order.index(trap.key) < self.order.index(current.key)
+from kernelfakes import FakeHost, P
 
 
 def run(kernel, script, values=None):

@@ -12,29 +12,13 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.kernel import Kernel, MissedHookPoint, PointTrap
+from asyncinterp.kernel import Kernel, MissedHookPoint
 from asyncinterp.tasks import Steps
+from kernelfakes import FakeHost, P
 
 
-class P(PointTrap):
-    __slots__ = ("key",)
-
-    def __init__(self, name):
-        self.key = name
-
-    def describe(self):
-        return self.key
-
-    def __await__(self):
-        return (yield self)
-
-
-class Host:
-    def activate(self, trap, task):
-        pass
-
-    def already_ran(self, trap, current):
-        return False
+def Host():
+    return FakeHost(order=())
 
 
 def test_cancel_group_closes_only_that_group():

@@ -10,8 +10,9 @@ import torch
 
 from asyncinterp.kernel.errors import MissedHookPoint
 from asyncinterp.kernel.scheduler import Kernel
-from asyncinterp.kernel.traps import PointTrap, StepTrap, trap
+from asyncinterp.kernel.traps import StepTrap, trap
 from asyncinterp.models.vllm_layout import FlatLayout
+from kernelfakes import FakeHost, P
 
 pytestmark = pytest.mark.vllm
 
@@ -80,25 +81,8 @@ def test_covers_all():
 # ----------------------------------------------------------------------------- partial kernel steps
 
 
-class P(PointTrap):
-    __slots__ = ("key",)
-
-    def __init__(self, name):
-        self.key = name
-
-    def describe(self):
-        return self.key
-
-    def __await__(self):
-        return (yield self)
-
-
-class Host:
-    def activate(self, t, task):
-        pass
-
-    def already_ran(self, t, now):
-        return False
+def Host():
+    return FakeHost(order=())
 
 
 def test_invokes_sitting_a_step_out_keep_waiting():
