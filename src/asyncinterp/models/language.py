@@ -27,14 +27,14 @@ import inspect
 from ..kernel.errors import NotInRunError
 from ..kernel.scheduler import current_kernel, current_task
 from ..model import Model
+from .generating import GeneratingModel
 from .inputs import context_length
 from .runs import GenerateRun, Generation, LMRun
 from .taps import make_taps, tap
 
-_NOTHING = object()
 
 
-class LanguageModel(Model):
+class LanguageModel(GeneratingModel, Model):
     """A transformers causal language model (plus its tokenizer) ready for interventions."""
 
     logits = tap("generation only: the [rows, vocab] scores the next token is chosen from, after every "
@@ -73,40 +73,7 @@ class LanguageModel(Model):
     def _prepare(self, run):
         return run.prepare()
 
-    def generate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop",
-                 **generate_kwargs):
-        """Generate with interventions; the task's steps are the forward passes.
-
-        ``model.generate(prompt, fn, max_new_tokens=20)`` runs ``fn(m)`` beside
-        ``hf_model.generate`` and returns a :class:`Generation` (``.result``,
-        ``.tokens``, ``.text``). ``model.generate(max_new_tokens=...)`` with no
-        prompt returns the run to fill in a ``with`` block
-        (``gen.invoke(prompt, fn)`` per prompt). Decoding is greedy unless
-        ``do_sample=True`` is passed; other keywords go to transformers'
-        ``generate``.
-        """
-        run = self._generation(max_new_tokens, on_error, generate_kwargs)
-        if input is _NOTHING and not fns:
-            return run
-        inv = run.invoke(None if input is _NOTHING else input, *fns)
-        run.run()
-        return inv
-
-    async def agenerate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop",
-                        **generate_kwargs) -> Generation:
-        """:meth:`generate` for async code: runs in a worker thread; cancelling stops it at the next hook point."""
-        from ..aio import run_in_thread
-        if input is _NOTHING:
-            raise TypeError("agenerate needs a prompt; for several prompts use "
-                            "`async with model.generate(...) as gen:` and gen.invoke(...)")
-        run = self._generation(max_new_tokens, on_error, generate_kwargs)
-        inv = run.invoke(input, *fns)
-        await run_in_thread(self, run)
-        return inv
-
     def _generation(self, max_new_tokens, on_error, kwargs) -> GenerateRun:
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         return GenerateRun(self, dict(kwargs, max_new_tokens=max_new_tokens), on_error=on_error)
 
     # ------------------------------------------------------ inside a run only
@@ -121,25 +88,6 @@ class LanguageModel(Model):
         return kernel.host.generated(task.group)
 
     # --------------------------------------------------------------- helpers
-    def to_tokens(self, text: str) -> list:
-        """Token ids of ``text`` with this model's tokenizer (no special tokens added)."""
-        return list(self._tok()(text, add_special_tokens=False)["input_ids"])
-
-    def token_id(self, text: str) -> int:
-        """The id of ``text``, which must be exactly one token (e.g. ``" Paris"``)."""
-        ids = self.to_tokens(text)
-        if len(ids) != 1:
-            raise ValueError(f"{text!r} is {len(ids)} tokens ({ids}), not one")
-        return ids[0]
-
-    def decode(self, ids) -> str:
-        """Text of token ids (a list or tensor)."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if isinstance(ids, int):
-            ids = [ids]
-        return self._tok().decode(ids)
-
     def _tok(self):
         if self.tokenizer is None:
             raise ValueError("this LanguageModel has no tokenizer; pass one: LanguageModel(model, tokenizer)")

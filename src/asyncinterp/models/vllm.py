@@ -44,6 +44,7 @@ import torch
 from ..kernel.errors import RunCancelled
 from ..model import Trace
 from ..run import Invoke, _check_intervention
+from .generating import GeneratingModel
 from .vllm_worker import (
     Flags,
     Outcome,
@@ -57,7 +58,6 @@ from .vllm_worker import (
 
 __all__ = ["VLLM", "VLLMInvoke", "VLLMRun", "HooksUnavailableError"]
 
-_NOTHING = object()
 _run_ids = itertools.count(1)
 
 
@@ -496,7 +496,7 @@ def _dumps(payload) -> bytes:
 # ----------------------------------------------------------------------------- the model
 
 
-class VLLM(VLLMRoot):
+class VLLM(GeneratingModel, VLLMRoot):
     """A vLLM engine (``vllm.LLM``, in process) whose runs take interventions.
 
     ``VLLM(model_dir, **engine_kwargs)``: ``engine_kwargs`` go to
@@ -596,57 +596,8 @@ class VLLM(VLLMRoot):
             lock.release()
 
     # ------------------------------------------------------------------ API
-    def generate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", **sampling):
-        """Generate with interventions; every engine step is a step of the tasks.
-
-        ``model.generate(prompt, fn, max_new_tokens=20)`` returns the
-        :class:`VLLMInvoke` (``.result``, ``.tokens``, ``.text``).
-        ``model.generate(max_new_tokens=...)`` without a prompt returns the run
-        for a ``with`` block (``run.invoke(prompt, fn, **sampling)`` per
-        request). Decoding is greedy unless sampling keywords say otherwise.
-        """
-        run = self._generation(max_new_tokens, on_error, sampling)
-        if input is _NOTHING and not fns:
-            return run
-        inv = run.invoke(None if input is _NOTHING else input, *fns)
-        run.run()
-        return inv
-
-    async def agenerate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop",
-                        **sampling) -> VLLMInvoke:
-        """:meth:`generate` for async code: the engine runs in a worker thread; cancelling stops it."""
-        from ..aio import run_in_thread
-        if input is _NOTHING:
-            raise TypeError("agenerate needs a prompt; for several prompts use "
-                            "`async with model.generate(...) as run:` and run.invoke(...)")
-        run = self._generation(max_new_tokens, on_error, sampling)
-        inv = run.invoke(input, *fns)
-        await run_in_thread(self, run)
-        return inv
-
     def _generation(self, max_new_tokens, on_error, sampling) -> VLLMRun:
-        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         return VLLMRun(self, max_new_tokens=max_new_tokens, sampling=sampling, on_error=on_error)
-
-    # ------------------------------------------------------------------ helpers
-    def to_tokens(self, text: str) -> list:
-        """Token ids of ``text`` (no special tokens added)."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def token_id(self, text: str) -> int:
-        """The id of ``text``, which must be exactly one token."""
-        ids = self.to_tokens(text)
-        if len(ids) != 1:
-            raise ValueError(f"{text!r} is {len(ids)} tokens ({ids}), not one")
-        return ids[0]
-
-    def decode(self, ids) -> str:
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if isinstance(ids, int):
-            ids = [ids]
-        return self.tokenizer.decode(ids)
 
     def close(self) -> None:
         """Shut the engine down (its workers too); the model cannot run afterwards."""
