@@ -77,11 +77,11 @@ def main(argv=None) -> int:
 
     if ns.tiny:
         import tempfile
-        from asyncinterp.models.bundled import tiny_llama_dir
+        from asyncinterp.models.hf.bundled import tiny_llama_dir
         model_dir = tiny_llama_dir(Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "tiny", seed=0)
         name = "tiny Llama (2 layers, hidden 64)"
     else:
-        from asyncinterp.models.bundled import smollm2_dir
+        from asyncinterp.models.hf.bundled import smollm2_dir
         model_dir = smollm2_dir()
         name = "SmolLM2-135M-Instruct"
 

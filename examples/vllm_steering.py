@@ -27,11 +27,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=12)
     args = ap.parse_args()
     if args.model is None:
-        from asyncinterp.models.bundled import smollm2_dir
+        from asyncinterp.models.hf.bundled import smollm2_dir
         args.model = str(smollm2_dir())
     elif args.model == "tiny":
         import tempfile
-        from asyncinterp.models.bundled import tiny_llama_dir
+        from asyncinterp.models.hf.bundled import tiny_llama_dir
         args.model = str(tiny_llama_dir(tempfile.mkdtemp(prefix="tiny-llama-"), seed=0))
 
     model = ai.VLLM(args.model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=128 << 20,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.aliases import set_alias, standard_names
+from asyncinterp.hooks.aliases import set_alias, standard_names
 from conftest import MLP
 
 

@@ -1,4 +1,4 @@
-"""Tests for asyncinterp.models.bundled: offline tokenizers, tiny models, SmolLM2 cache."""
+"""Tests for asyncinterp.models.hf.bundled: offline tokenizers, tiny models, SmolLM2 cache."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.cache import Cache, select
+from asyncinterp.tools.cache import Cache, select
 from conftest import MLP, hook_count
 
 
@@ -110,7 +110,7 @@ def test_repeated_calls_give_lists_and_steps(net):
 
 
 def test_cache_across_generation_steps_equals_hooks():
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import tiny
     lm = tiny("gpt2")
     net = lm.module
@@ -132,7 +132,7 @@ def test_cache_across_generation_steps_equals_hooks():
 
 
 def test_cache_page_runs(capsys):
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from docsnippets import python_blocks, run_page
     assert len(python_blocks("cache.md")) >= 6
     ns = run_page("cache.md")

@@ -110,7 +110,7 @@ def test_edit_failure_is_reported(net):
 
 
 def test_edit_every_generation_step_and_clone_keeps_lm_state():
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import tiny
     lm = tiny("llama")
     net = lm.module
@@ -143,7 +143,7 @@ def test_edit_every_generation_step_and_clone_keeps_lm_state():
 
 
 def test_edits_page_runs(capsys):
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from docsnippets import python_blocks, run_page
     assert len(python_blocks("edits.md")) >= 5
     ns = run_page("edits.md")

@@ -345,7 +345,7 @@ class PrefillProbe(torch.nn.Module):
 @pytest.fixture(scope="module")
 def probe_lm():
     """A tiny Llama with a module that only runs in the prefill pass (more than one new token)."""
-    from asyncinterp.models.bundled import tiny_llama
+    from asyncinterp.models.hf.bundled import tiny_llama
     hf, tok = tiny_llama()
     hf.probe = PrefillProbe()
     original = hf.forward

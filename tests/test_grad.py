@@ -257,7 +257,7 @@ def test_backward_outside_run_and_no_leftover_hooks(net):
 
 
 def test_grad_on_language_model_trace_equals_autograd():
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import tiny
     lm = tiny("llama")
     net = lm.module

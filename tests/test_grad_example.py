@@ -10,7 +10,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "attribu
 
 @pytest.mark.smollm2
 def test_attribution_patching_example(capsys):
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import bundled
     try:
         bundled.smollm2_gguf_path()

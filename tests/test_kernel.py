@@ -13,7 +13,7 @@ from asyncinterp.kernel import (
     OutOfOrderError,
     UnsetFutureError,
 )
-from asyncinterp.tasks import Steps
+from asyncinterp.kernel.tasks import Steps
 from kernelfakes import FakeHost, P
 
 

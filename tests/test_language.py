@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.models.padding import PaddedLayout
+from asyncinterp.models.hf.padding import PaddedLayout
 
 PROMPTS = ["The Eiffel Tower is located in the city of", "Hi", "The cat sat on the"]
 
@@ -222,7 +222,7 @@ def test_wrong_input_types(llama):
 
 
 def test_tokenizer_without_pad_token_still_batches():
-    from asyncinterp.models.bundled import tiny_llama
+    from asyncinterp.models.hf.bundled import tiny_llama
     hf, tok = tiny_llama()
     tok.pad_token = None
     assert tok.pad_token_id is None

@@ -95,7 +95,7 @@ def test_scan_runs_interventions_with_fake_tensors():
 
 
 def test_scan_language_model_prompt():
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import tiny
     lm = tiny("llama")
     shapes = lm.scan(["Hello world", "A much longer prompt here"], "model.layers.*")

@@ -13,7 +13,7 @@ import torch
 
 import asyncinterp as ai
 from asyncinterp.kernel import Kernel, MissedHookPoint
-from asyncinterp.tasks import Steps
+from asyncinterp.kernel.tasks import Steps
 from kernelfakes import FakeHost, P
 
 

@@ -111,7 +111,7 @@ def test_sessions_page_runs(capsys):
 
 
 def test_session_value_steers_a_later_generation():
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import tiny
     lm = tiny("llama")
     with lm.session() as s:

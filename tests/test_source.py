@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.source import source_info
+from asyncinterp.hooks.source import source_info
 from conftest import hook_count
 
 
@@ -112,7 +112,7 @@ def test_invokes_see_own_rows_of_source_points(llama_hf):
 
 
 def test_source_points_across_generation_steps():
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import tiny
     lm = tiny("llama")
     shapes = []
@@ -275,7 +275,7 @@ def test_runtime_callee_is_known_after_a_run():
 
 
 def test_source_page_runs(capsys):
-    pytest.importorskip("asyncinterp.models.language")
+    pytest.importorskip("asyncinterp.models.hf.language")
     from docsnippets import python_blocks, run_page
     assert len(python_blocks("source.md")) >= 6
     ns = run_page("source.md")

@@ -11,7 +11,7 @@ import torch
 from asyncinterp.kernel.errors import MissedHookPoint
 from asyncinterp.kernel.scheduler import Kernel
 from asyncinterp.kernel.traps import StepTrap, trap
-from asyncinterp.models.vllm_layout import FlatLayout
+from asyncinterp.models.vllm.layout import FlatLayout
 from kernelfakes import FakeHost, P
 
 pytestmark = pytest.mark.vllm

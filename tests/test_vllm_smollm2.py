@@ -15,7 +15,7 @@ CORRUPT = "The Colosseum is located in the city of"
 @pytest.fixture(scope="module")
 def smol_dir():
     require_vllm()
-    from asyncinterp.models.bundled import smollm2_dir
+    from asyncinterp.models.hf.bundled import smollm2_dir
     return str(smollm2_dir())
 
 

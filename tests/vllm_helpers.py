@@ -24,7 +24,7 @@ def require_vllm():
 def make_tiny_dir(path, seed=0, **kwargs):
     """A tiny random Llama (head_dim 32) saved for vLLM, with weights scaled so that greedy decoding
     reacts to edits (the default init makes nearly flat logits)."""
-    from asyncinterp.models.bundled import tiny_llama
+    from asyncinterp.models.hf.bundled import tiny_llama
     model, tok = tiny_llama(seed=seed, **kwargs)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

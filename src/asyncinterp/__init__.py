@@ -12,7 +12,7 @@
 """
 
 from .aio import in_loop
-from .envoy import Envoy, HookPoint, point
+from .hooks.envoy import Envoy, HookPoint, point
 from .kernel.errors import (
     AsyncInterpError,
     ForeignAwaitError,
@@ -27,13 +27,13 @@ from .kernel.errors import (
 from .kernel.futures import Future
 from .model import Model, Trace, wrap
 from .run import Invoke, Run, RunStopped
-from .tasks import Steps, gather, spawn
-from .views import BatchLayout, Layout
-from .grad import GradPoint, backward
-from .cache import Cache, cache
-from .scan import ShapeInfo, Shapes, scan
-from .session import Session
-from . import aliases
+from .kernel.tasks import Steps, gather, spawn
+from .hooks.views import BatchLayout, Layout
+from .hooks.grad import GradPoint, backward
+from .tools.cache import Cache, cache
+from .tools.scan import ShapeInfo, Shapes, scan
+from .tools.session import Session
+from .hooks import aliases
 
 __version__ = "0.1.0"
 
@@ -50,7 +50,7 @@ __all__ = [
 def __getattr__(name):
     # Language-model support needs transformers: imported on first use only.
     if name in ("LanguageModel", "Generation"):
-        from .models import language, runs
+        from .models.hf import language, runs
         return getattr(language, name, None) or getattr(runs, name)
     if name == "VLLM":  # needs vllm: imported on first use only
         from .models.vllm import VLLM

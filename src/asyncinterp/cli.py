@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a clear one-line error for known failures (missing model package, bad path)
-        from .models.bundled import BundledModelError
+        from .models.hf.bundled import BundledModelError
         if isinstance(exc, (BundledModelError, FileNotFoundError)):
             print(f"asyncinterp {args.command}: error: {exc}", file=sys.stderr)
             return 1

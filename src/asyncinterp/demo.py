@@ -329,7 +329,7 @@ def main(args) -> int:
         elif args.model in ("tiny", "tiny-llama", "tiny-gpt2"):
             lm = tiny("gpt2" if args.model == "tiny-gpt2" else "llama")
         else:
-            from .models.language import LanguageModel
+            from .models.hf.language import LanguageModel
             lm = LanguageModel.from_pretrained(args.model)
         run_demo(lm, out_dir=args.out, progress=not args.no_progress)
     return 0

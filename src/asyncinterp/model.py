@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import threading
 
-from .batching import batch_inputs
-from .envoy import Envoy
+from .hooks.batching import batch_inputs
+from .hooks.envoy import Envoy
 from .kernel.errors import NotInRunError
 from .kernel.scheduler import current_kernel
-from .order import CallOrder, OrderRecorder
+from .hooks.order import CallOrder, OrderRecorder
 from .run import Run
-from .tasks import Steps
+from .kernel.tasks import Steps
 
 _NOTHING = object()
 
@@ -123,29 +123,29 @@ class Model(Envoy):
 
     def _execute(self, run):
         if self.__dict__.get("_edits"):
-            from .edit import apply_edits
+            from .tools.edit import apply_edits
             apply_edits(self, run)
         forward = self._prepare(run)
         run.execute(forward)
 
     def scan(self, input, fn=None, modules=None, **options):
-        """Shapes and dtypes of hook points from a forward pass with fake tensors (see asyncinterp.scan)."""
-        from .scan import scan
+        """Shapes and dtypes of hook points from a forward pass with fake tensors (see asyncinterp.tools.scan)."""
+        from .tools.scan import scan
         return scan(self, input, fn, modules, **options)
 
     def session(self, keep: bool = False):
-        """A :class:`~asyncinterp.session.Session` whose runs default to this model."""
-        from .session import Session
+        """A :class:`~asyncinterp.tools.session.Session` whose runs default to this model."""
+        from .tools.session import Session
         return Session(self, keep=keep)
 
     # ---------------------------------------------------------------- edits
     def edit(self, fn, inplace: bool = False) -> "Model":
-        """A model whose every later run also runs ``fn(m)`` on each forward pass (see asyncinterp.edit).
+        """A model whose every later run also runs ``fn(m)`` on each forward pass (see asyncinterp.tools.edit).
 
         Returns a new wrapped model over the same module; ``inplace=True``
         edits this one. ``remove_edits()`` restores the original behaviour.
         """
-        from .edit import edit
+        from .tools.edit import edit
         return edit(self, fn, inplace=inplace)
 
     @property
@@ -155,7 +155,7 @@ class Model(Envoy):
 
     def remove_edits(self, fn=None) -> None:
         """Remove every persistent edit (or only ``fn``)."""
-        from .edit import remove_edits
+        from .tools.edit import remove_edits
         remove_edits(self, fn)
 
     def trace(self, input=_NOTHING, *fns, on_error: str = "stop", **kwargs):
@@ -200,7 +200,7 @@ class Model(Envoy):
 
     def backward(self, tensors, **kwargs):
         """``await m.backward(loss)``: a backward pass that resumes tasks waiting on ``.grad`` points."""
-        from .grad import backward
+        from .hooks.grad import backward
         return backward(tensors, **kwargs)
 
     def steps(self, limit: int | None = None) -> Steps:

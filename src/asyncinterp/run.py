@@ -21,10 +21,10 @@ from .kernel.errors import (
     ReplacementError,
     RunCancelled,
 )
-from .envoy import HookPoint
+from .hooks.envoy import HookPoint
 from .kernel.scheduler import Kernel
-from .order import OrderRecorder
-from .views import Layout, check_replacement
+from .hooks.order import OrderRecorder
+from .hooks.views import Layout, check_replacement
 
 
 class _Interrupt(BaseException):

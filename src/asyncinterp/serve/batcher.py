@@ -425,7 +425,7 @@ class Batcher:
             if not self.exact:
                 return None
             try:
-                from ..models.inputs import to_prompt
+                from ..models.hf.inputs import to_prompt
                 p = to_prompt(input, self.model.tokenizer)
                 return tuple(len(r) for r in p.rows)
             except Exception:  # invalid input: fails on its own at invoke time

@@ -85,7 +85,7 @@ def load_model(name: str, cache_dir=None):
     if name == "gpt2-small":
         return gpt2_small()
     if os.path.isdir(name):
-        from ..models.language import LanguageModel
+        from ..models.hf.language import LanguageModel
         return LanguageModel.from_pretrained(name)
     raise FileNotFoundError(f"unknown model {name!r}: use smollm2, tiny-gpt2, tiny-llama, gpt2-small or a "
                             "transformers model directory")
@@ -95,8 +95,8 @@ def gpt2_small(seed: int = 0):
     """A GPT-2-small-shaped model (12 layers, width 768) with random weights and the real GPT-2 tokenizer."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
-    from ..models.bundled import gpt2_tokenizer
-    from ..models.language import LanguageModel
+    from ..models.hf.bundled import gpt2_tokenizer
+    from ..models.hf.language import LanguageModel
     tok = gpt2_tokenizer()
     config = GPT2Config(vocab_size=len(tok), n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

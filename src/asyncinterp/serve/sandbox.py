@@ -640,7 +640,7 @@ class SafeEnvoy:
         object.__setattr__(self, "_root", root)
 
     def _points(self):
-        from ..envoy import point
+        from ..hooks.envoy import point
         cls = type(object.__getattribute__(self, "_envoy"))
         return {name for k in cls.__mro__ for name, v in vars(k).items() if isinstance(v, point)}
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..envoy import Envoy, HookPoint, point
-from ..kernel.errors import ReplacementError
+from ...hooks.envoy import Envoy, HookPoint, point
+from ...kernel.errors import ReplacementError
 
 
 class _Identity(torch.nn.Module):

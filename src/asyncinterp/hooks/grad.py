@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernel.errors import NotInRunError, OutOfOrderError
-from .kernel.scheduler import current_kernel, current_task
-from .kernel.traps import CallTrap, PointTrap, trap
+from ..kernel.errors import NotInRunError, OutOfOrderError
+from ..kernel.scheduler import current_kernel, current_task
+from ..kernel.traps import CallTrap, PointTrap, trap
 
 __all__ = ["GradPoint", "backward", "grad_point"]
 

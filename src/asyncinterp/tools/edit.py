@@ -20,8 +20,8 @@ from __future__ import annotations
 import copy
 import inspect
 
-from .envoy import Envoy
-from .kernel.traps import PointTrap
+from ..hooks.envoy import Envoy
+from ..kernel.traps import PointTrap
 
 __all__ = ["edit", "remove_edits", "apply_edits"]
 

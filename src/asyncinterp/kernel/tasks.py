@@ -7,8 +7,8 @@ generation steps.
 
 from __future__ import annotations
 
-from .kernel.scheduler import current_task
-from .kernel.traps import SpawnTrap, StepTrap, trap
+from .scheduler import current_task
+from .traps import SpawnTrap, StepTrap, trap
 
 
 def spawn(coro, name: str | None = None):

@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from ..views import Layout
+from ...hooks.views import Layout
 
 
 class FlatLayout(Layout):

@@ -27,8 +27,8 @@ import re
 
 import torch
 
-from .kernel.scheduler import current_kernel, current_task
-from .views import map_tensors
+from ..kernel.scheduler import current_kernel, current_task
+from ..hooks.views import map_tensors
 
 __all__ = ["Cache", "cache"]
 
@@ -243,7 +243,7 @@ def _glob_regex(pattern: str):
 
 def select(model, spec, include_root: bool = False) -> list:
     """The envoys of ``model`` a filter selects (see module docs), in module order."""
-    from .envoy import Envoy
+    from ..hooks.envoy import Envoy
     every = model.modules()
     if spec is None:
         return [e for e in every if e._path or include_root]

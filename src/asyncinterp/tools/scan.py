@@ -5,7 +5,7 @@ every tensor is a fake tensor that carries shape, dtype and device but no
 data, so nothing is computed (a large model scans in milliseconds per
 layer) and a model built on the ``meta`` device (no weights loaded yet)
 scans too. It returns a :class:`Shapes` table of the points the filters
-select (the same filters as :class:`~asyncinterp.cache.Cache`)::
+select (the same filters as :class:`~asyncinterp.tools.cache.Cache`)::
 
     shapes = model.scan(x, "model.layers.*", inputs=True)
     print(shapes)                              # one line per point
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from .cache import Cache
-from .views import map_tensors
+from ..hooks.views import map_tensors
 
 __all__ = ["ShapeInfo", "Shapes", "scan", "fake_mode"]
 

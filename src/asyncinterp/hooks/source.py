@@ -57,9 +57,9 @@ import inspect
 import threading
 import types
 
-from .kernel.errors import NotInRunError, OutOfOrderError
-from .kernel.scheduler import current_kernel, current_task
-from .kernel.traps import PointTrap
+from ..kernel.errors import NotInRunError, OutOfOrderError
+from ..kernel.scheduler import current_kernel, current_task
+from ..kernel.traps import PointTrap
 
 __all__ = ["Source", "SourceOp", "SourcePoint", "source_of", "source_info"]
 

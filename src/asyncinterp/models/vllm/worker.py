@@ -5,7 +5,7 @@ Interventions run where the model's modules are: in this process for
 worker process under tensor parallelism, where vLLM's ``collective_rpc``
 delivers them (cloudpickled) to each rank. Every rank then runs the same
 coroutines on the same values (replicated values are equal on all ranks and
-sharded ones are gathered, see :mod:`.vllm_tp`), so every rank makes the same
+sharded ones are gathered, see :mod:`.tp`), so every rank makes the same
 edits and vLLM's ranks stay in step. The return values of rank 0 go back to
 the driver.
 
@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..envoy import Envoy, HookPoint, point
-from ..kernel.errors import NotInRunError, ReplacementError
-from ..kernel.scheduler import Kernel, current_kernel, current_task
-from ..model import Model
-from ..run import Run, _Interrupt, _fn_name
-from .vllm_layout import FlatLayout
-from .vllm_tp import sharding_for
+from ...hooks.envoy import Envoy, HookPoint, point
+from ...kernel.errors import NotInRunError, ReplacementError
+from ...kernel.scheduler import Kernel, current_kernel, current_task
+from ...model import Model
+from ...run import Run, _Interrupt, _fn_name
+from .layout import FlatLayout
+from .tp import sharding_for
 
 # ----------------------------------------------------------------------------- hook points
 
@@ -103,7 +103,7 @@ def _sampled_ids(out):
 
 
 def _with_sampled_ids(new, out):
-    from .vllm_layout import _replace_fields
+    from .layout import _replace_fields
     old = out.sampled_token_ids
     if isinstance(new, int):
         new = torch.full((old.shape[0],), new)
@@ -656,7 +656,7 @@ def rpc_shutdown(worker):
 
 def _compact(value):
     """Tensors copied out of the engine's buffers (a view would pickle its whole storage)."""
-    from ..views import map_tensors
+    from ...hooks.views import map_tensors
     return map_tensors(lambda t: t.detach().clone(), value)
 
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import inspect
 
-from ..kernel.errors import NotInRunError
-from ..kernel.scheduler import current_kernel, current_task
-from ..model import Model
-from .generating import GeneratingModel
+from ...kernel.errors import NotInRunError
+from ...kernel.scheduler import current_kernel, current_task
+from ...model import Model
+from ..generating import GeneratingModel
 from .inputs import context_length
 from .runs import GenerateRun, Generation, LMRun
 from .taps import make_taps, tap

@@ -15,7 +15,7 @@
         a = run.invoke("The capital of France is", read_logits)
         b = run.invoke("Hello", steer, temperature=0.8, seed=1)  # its own sampling parameters
 
-What a task sees (see :mod:`.vllm_layout`): at every engine step, its own
+What a task sees (see :mod:`.layout`): at every engine step, its own
 request's tokens as a batch of one (``[1, n, ...]``), re-read from the model
 runner's request order and query offsets; ``m.logits`` (``[1, vocab]``) and
 ``m.tokens`` (``[1]``) once per step, both readable and replaceable;
@@ -23,10 +23,10 @@ runner's request order and query offsets; ``m.logits`` (``[1, vocab]``) and
 ``(mlp_out, residual)``, whose sum it is). ``m.steps()``, ``m.stop()``,
 ``m.generated`` and errors behave as with :class:`~asyncinterp.LanguageModel`.
 
-Where interventions run (see :mod:`.vllm_worker`): with the model, in this
+Where interventions run (see :mod:`.worker`): with the model, in this
 process for ``tensor_parallel_size=1``; under tensor parallelism in every
 worker process, shipped by vLLM's ``collective_rpc`` and run identically on
-each rank, with sharded values gathered (see :mod:`.vllm_tp`). Results come
+each rank, with sharded values gathered (see :mod:`.tp`). Results come
 back from rank 0. The driver (this module) adds the requests, steps the
 engine, aborts requests when a task stops the run, and collects tokens.
 """
@@ -41,11 +41,11 @@ import threading
 
 import torch
 
-from ..kernel.errors import RunCancelled
-from ..model import Trace
-from ..run import Invoke, _check_intervention
-from .generating import GeneratingModel
-from .vllm_worker import (
+from ...kernel.errors import RunCancelled
+from ...model import Trace
+from ...run import Invoke, _check_intervention
+from ..generating import GeneratingModel
+from .worker import (
     Flags,
     Outcome,
     VLLMRoot,
@@ -585,7 +585,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         if self.__dict__.get("_closed"):
             raise RuntimeError("this VLLM model was closed")
         if self.__dict__.get("_edits"):
-            from ..edit import apply_edits
+            from ...tools.edit import apply_edits
             apply_edits(self, run)
         lock = self._lock
         if not lock.acquire(timeout=self.lock_timeout):

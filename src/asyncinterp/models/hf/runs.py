@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernel.errors import NotInRunError
-from ..model import Trace
-from ..run import Invoke
+from ...kernel.errors import NotInRunError
+from ...model import Trace
+from ...run import Invoke
 from .inputs import build_batch, check_length, pad_id_of
 from .padding import PaddedLayout
 from .taps import logits_processor, rank_of, stopping_criteria
@@ -48,7 +48,7 @@ def _same_kwargs(invokes):
 
 
 class LMRun(Trace):
-    """One forward pass of a :class:`~asyncinterp.models.language.LanguageModel`."""
+    """One forward pass of a :class:`~asyncinterp.models.hf.language.LanguageModel`."""
 
     generating = False
 

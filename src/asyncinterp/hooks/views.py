@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernel.errors import ReplacementError
+from ..kernel.errors import ReplacementError
 
 
 def map_tensors(fn, value):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..views import BatchLayout, map_tensors
+from ...hooks.views import BatchLayout, map_tensors
 
 
 class PaddedLayout(BatchLayout):

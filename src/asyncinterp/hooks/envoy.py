@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import difflib
 
-from .kernel.errors import ModulePathError, NotInRunError
-from .kernel.scheduler import current_kernel, current_task
-from .kernel.traps import PointTrap
+from ..kernel.errors import ModulePathError, NotInRunError
+from ..kernel.scheduler import current_kernel, current_task
+from ..kernel.traps import PointTrap
 
 _BASE_KINDS = ("output", "inputs")
 
@@ -63,7 +63,7 @@ class HookPoint(PointTrap):
 
     @property
     def grad(self):
-        """The gradient at this point during a backward pass started in the run (see asyncinterp.grad)."""
+        """The gradient at this point during a backward pass started in the run (see asyncinterp.hooks.grad)."""
         from .grad import grad_point
         return grad_point(self)
 
@@ -239,7 +239,7 @@ class Envoy:
 
     @property
     def source(self):
-        """The calls inside this module's forward as hook points; print it to list them (see asyncinterp.source)."""
+        """The calls inside this module's forward as hook points; print it to list them (see asyncinterp.hooks.source)."""
         from .source import source_of
         return source_of(self)
 

@@ -35,7 +35,7 @@ ends). Several models can take part in one session.
 
 from __future__ import annotations
 
-from .kernel.futures import Future
+from ..kernel.futures import Future
 
 __all__ = ["Session"]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .padding import PaddedLayout
-from ..views import BatchLayout, Layout
+from ...hooks.views import BatchLayout, Layout
 
 
 @dataclass

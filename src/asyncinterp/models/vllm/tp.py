@@ -13,7 +13,7 @@ and ``gate_up_proj`` = ``[gate | up]`` are reassembled part by part; key/value
 heads replicated over ranks appear once). After the tasks ran, each rank
 copies its own slice of the (possibly edited or replaced) full tensor back
 into its shard. Every rank runs the same interventions (see
-:mod:`.vllm_worker`), so the collective calls line up.
+:mod:`.worker`), so the collective calls line up.
 
 Sharded points handled here: the output of ``ColumnParallelLinear`` (and
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear``), the input of

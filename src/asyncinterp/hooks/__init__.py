@@ -1,0 +1,8 @@
+"""The hooks layer: envoys over modules and every kind of awaitable hook point.
+
+Module points (``envoy``), gradient points (``grad``), source-level points
+(``source``), standard-name aliases, the views that slice a batched value per
+invoke (``views``, ``batching``) and the recorded module call order
+(``order``). Imports only the kernel; the run (one layer down) implements the
+host interface these points are written against (``host``).
+"""
