@@ -230,4 +230,4 @@ def test_no_leaks_over_many_runs(mlp):
     assert alive == 0, f"{alive} activation tensors still referenced"
     from asyncinterp.kernel.scheduler import Task
     assert not [o for o in gc.get_objects() if type(o) is Task]
-    assert not model._lock._lock.locked()
+    assert not model.run_lock.locked()

@@ -28,7 +28,7 @@ async def run_in_thread(model, run) -> None:
     async def worker():
         try:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(model._execute, run)
+                await anyio.to_thread.run_sync(model.execute, run)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task below
             box["exc"] = exc
         finally:

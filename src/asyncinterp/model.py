@@ -14,7 +14,7 @@ import threading
 from .hooks.batching import batch_inputs
 from .hooks.envoy import Envoy
 from .kernel.errors import NotInRunError
-from .kernel.scheduler import current_kernel
+from .kernel.scheduler import current_kernel, current_task
 from .hooks.order import CallOrder, OrderRecorder
 from .run import Run
 from .kernel.tasks import Steps
@@ -44,6 +44,9 @@ class _ModelLock:
         self._owner = None
         self._lock.release()
 
+    def locked(self) -> bool:
+        return self._lock.locked()
+
 
 class Trace(Run):
     """A run being built: ``with model.trace() as run: run.invoke(...)`` executes on exit."""
@@ -60,7 +63,7 @@ class Trace(Run):
         """Execute the forward with every invoke added so far; returns ``self``."""
         if self.done:
             raise RuntimeError("this trace has already run; build a new one with model.trace()")
-        self.model._execute(self)
+        self.model.execute(self)
         return self
 
     async def arun(self):
@@ -87,13 +90,14 @@ class Model(Envoy):
 
     def __init__(self, module, envoys: dict | None = None):
         Envoy.__init__(self, module, "")
-        d = self.__dict__
-        d["_lock"] = _ModelLock()
-        d["_call_order"] = None
-        d["_envoy_classes"] = dict(envoys or {})
+        init = object.__setattr__
+        init(self, "run_lock", _ModelLock())
+        init(self, "call_order", None)      # the recorded module call order (hooks/order.py), after a first run
+        init(self, "_envoy_classes", dict(envoys or {}))
+        init(self, "_edits", ())
 
     # ------------------------------------------------------------ structure
-    def _envoy_class_for(self, module):
+    def envoy_class_for(self, module):
         classes = self._envoy_classes
         if classes:
             for cls in type(module).__mro__:
@@ -101,17 +105,24 @@ class Model(Envoy):
                     return classes[cls]
         return Envoy
 
-    def _start_order_recording(self):
+    def needs_order_recording(self) -> bool:
+        """True until one complete run has recorded the module call order."""
+        order = self.call_order
+        return order is None or not order.complete
+
+    def start_order_recording(self) -> OrderRecorder:
+        """Record the module call order during the next forward (this thread only); ``stop()`` it after."""
         order = CallOrder()
-        self.__dict__["_call_order"] = order
+        object.__setattr__(self, "call_order", order)
         return OrderRecorder(self._module, order).__enter__()
 
-    def _finish_order_recording(self, recorder):
+    def finish_order_recording(self, recorder) -> None:
+        recorder.stop()
         if not recorder.order.complete:
-            self.__dict__["_call_order"] = None
+            object.__setattr__(self, "call_order", None)
 
     # -------------------------------------------------------------- running
-    def _new_run(self, **options) -> Trace:
+    def new_run(self, **options) -> Trace:
         return Trace(self, **options)
 
     def _prepare(self, run):
@@ -121,8 +132,9 @@ class Model(Envoy):
         module = self._module
         return lambda: module(*args, **kwargs)
 
-    def _execute(self, run):
-        if self.__dict__.get("_edits"):
+    def execute(self, run):
+        """Execute a built run on this model (what ``Trace.run`` and ``atrace`` call)."""
+        if self._edits:
             from .tools.edit import apply_edits
             apply_edits(self, run)
         forward = self._prepare(run)
@@ -151,7 +163,11 @@ class Model(Envoy):
     @property
     def edits(self) -> tuple:
         """The persistent edits of this model, in the order they run."""
-        return tuple(self.__dict__.get("_edits", ()))
+        return self._edits
+
+    @edits.setter
+    def edits(self, fns) -> None:
+        object.__setattr__(self, "_edits", tuple(fns))
 
     def remove_edits(self, fn=None) -> None:
         """Remove every persistent edit (or only ``fn``)."""
@@ -165,7 +181,7 @@ class Model(Envoy):
         functions). ``model.trace()`` returns a :class:`Trace` to fill with
         ``run.invoke(input, fn)`` inside a ``with`` block.
         """
-        run = self._new_run(on_error=on_error)
+        run = self.new_run(on_error=on_error)
         if input is _NOTHING and not fns:
             return run
         inv = run.invoke(None if input is _NOTHING else input, *fns, **kwargs)
@@ -180,7 +196,7 @@ class Model(Envoy):
         Cancelling the awaiting task stops the forward at its next hook point.
         """
         from .aio import run_in_thread
-        run = self._new_run(on_error=on_error)
+        run = self.new_run(on_error=on_error)
         if input is _NOTHING and not fns:
             raise TypeError("atrace needs an input and an intervention; for several invokes use "
                             "`async with model.trace() as run:` or `await run.arun()`")
@@ -196,7 +212,7 @@ class Model(Envoy):
         kernel = current_kernel()
         if kernel is None:
             raise NotInRunError("model.stop() can only be called inside an intervention")
-        kernel.host.stop()
+        kernel.host.request_stop(current_task())
 
     def backward(self, tensors, **kwargs):
         """``await m.backward(loss)``: a backward pass that resumes tasks waiting on ``.grad`` points."""

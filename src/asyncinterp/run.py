@@ -10,7 +10,6 @@ reference it took before it returns.
 from __future__ import annotations
 
 import inspect
-import itertools
 import weakref
 
 import torch
@@ -21,14 +20,24 @@ from .kernel.errors import (
     ReplacementError,
     RunCancelled,
 )
-from .hooks.envoy import HookPoint
-from .kernel.scheduler import Kernel
-from .hooks.order import OrderRecorder
+from .hooks.modules import (
+    add_forward_hook,
+    add_forward_pre_hook,
+    instance_forward,
+    set_instance_forward,
+    submodules,
+)
 from .hooks.views import Layout, check_replacement
+from .kernel.scheduler import Kernel
 
 
-class _Interrupt(BaseException):
-    """Unwinds the model's forward when the run must stop now (not an Exception, so model code cannot catch it)."""
+class StopForward(BaseException):
+    """Raised through the model's forward to stop it now (not an Exception, so model code cannot catch it).
+
+    Hooks of a run raise it when the run must stop (``m.stop()``, a failure,
+    cancellation); ``Run.execute`` catches it. Hosts that drive the forward
+    themselves (vLLM's worker) catch it around their own hooks.
+    """
 
 
 class RunStopped(AsyncInterpError):
@@ -38,6 +47,7 @@ class RunStopped(AsyncInterpError):
 class Invoke:
     """One input of a run and the interventions that see its rows."""
 
+
     def __init__(self, run, index, input, fns, kwargs=None):
         self.run = run
         self.index = index
@@ -46,6 +56,7 @@ class Invoke:
         self.kwargs = kwargs or {}
         self.tasks = []
         self.cancelled = False
+        self.done = False              # set when the run is over
 
     def cancel(self) -> None:
         """Thread-safe: close this invoke's interventions at the model's next hook point.
@@ -54,18 +65,28 @@ class Invoke:
         invoke's ``result`` then raises ``RunCancelled``. (``Run.cancel`` stops
         the whole run instead.)
         """
-        if self.run.done:   # too late: it finished; keep its result
+        run = self.run
+        if self.done or run.done:   # too late: it finished; keep its result
             return
         self.cancelled = True
-        kernel = self.run.kernel
+        kernel = run.kernel
         if kernel is not None:
             kernel.cancel_group(self.index)
 
     @property
     def result(self):
         """The intervention's return value (a tuple if the invoke has several)."""
-        if not self.run.done:
+        if not self.done:
             raise RuntimeError("the run has not been executed yet; leave the `with model.trace()` block or call run.run()")
+        return self.value()
+
+    def value(self):
+        """The result as it stands now, without requiring the run to be over (an invoke that left a run early).
+
+        Raises ``RunCancelled`` for a cancelled invoke, ``RunStopped`` for an
+        intervention that did not finish, or the intervention's own error.
+        ``None`` for an invoke without interventions.
+        """
         if self.cancelled:
             raise RunCancelled(f"invoke {self.index} was cancelled (Invoke.cancel); the other invokes of its run went on")
         values = []
@@ -75,12 +96,14 @@ class Invoke:
             if t.exc is not None:
                 raise t.exc
             values.append(t.result)
+        if not values:
+            return None
         if len(values) == 1:
             return values[0]
         return tuple(values)
 
 
-class _Firing:
+class Firing:
     """One hook point firing: the full value, per-invoke views, replacements."""
 
     __slots__ = ("point", "value", "layout", "views", "replaced")
@@ -125,15 +148,23 @@ class _Firing:
 
 
 class Run:
-    """Executes a forward pass (or a generation) with interventions attached."""
+    """Executes a forward pass (or a generation) with interventions attached.
 
-    def __init__(self, model, layout: Layout | None = None, on_error: str = "stop"):
+    A run is the kernel's host and implements the run interface
+    (:class:`asyncinterp.hooks.host.RunHost`): the only surface points, tools,
+    the vLLM worker and serving use. See docs/design.md, "The run interface".
+    """
+
+    def __init__(self, model, layout: Layout | None = None, on_error: str = "stop", stop_per_invoke: bool = False):
         if on_error not in ("stop", "continue"):
             raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
                              f"(it fails only its own invoke), got {on_error!r}")
         self.model = model                 # the root envoy (a Model)
         self.layout = layout or Layout()
         self.on_error = on_error
+        self.stop_per_invoke = stop_per_invoke   # m.stop() ends only the caller's invoke (serving)
+        self.stopped_invokes = set()       # invokes that called m.stop() under stop_per_invoke
+        self.context = {}                  # values for this run's interventions and tools (serving: requests)
         self.invokes = []
         self.kernel = None
         self.done = False
@@ -147,8 +178,8 @@ class Run:
         self._active = {}
         self._skips = {}
         self._adhoc = 0
-        self._recording = None
         self._taps = {}                    # point key -> callbacks seeing each firing's final value
+        self._state = {}                   # owner -> per-run state (Run.state)
 
     # ------------------------------------------------------------- building
     def invoke(self, input=None, *fns, **kwargs) -> Invoke:
@@ -156,113 +187,140 @@ class Run:
         if callable(input) and not fns and not isinstance(input, torch.Tensor) and _is_async_fn(input):
             input, fns = None, (input,)
         for fn in fns:
-            _check_intervention(fn)
+            check_intervention(fn)
         inv = Invoke(self, len(self.invokes), input, fns, kwargs)
         self.invokes.append(inv)
         return inv
 
-    # --------------------------------------------------------- kernel host
+    # ------------------------------------------------ run interface: points
     def activate(self, trap, task) -> None:
-        if not isinstance(trap, HookPoint):  # extension points (gradients, source points) install themselves
-            return trap.activate_in(self, task)
-        envoy = trap.envoy
-        if envoy._root is not self.model:
-            raise NotInRunError(
-                f"{trap.describe()} belongs to another wrapped model; inside this run await the hook points of "
-                "the envoy your intervention received")
-        base = trap.key
-        if base in self._installed:
-            return
-        module = envoy._module
-        if base.base_kind == "output":
-            h = _add_hook(module._forward_hooks, self._output_hook(base))
-        else:
-            h = _add_hook(module._forward_pre_hooks, self._input_hook(base), module._forward_pre_hooks_with_kwargs)
-        self._handles.append(h)
-        self._installed.add(base)
-        self._keep_ancestors(envoy)
+        """Kernel host: the first wait on ``trap``; the point installs itself (``trap.activate_in``)."""
+        trap.activate_in(self, task)
 
-    def _keep_ancestors(self, envoy):
-        # A hook added while a module is already running only fires if that
-        # module took torch's hooked path, i.e. had some hook when it started.
-        e = envoy._parent
-        while e is not None and e._module not in self._kept:
-            self._kept.add(e._module)
-            self._handles.append(_add_hook(e._module._forward_pre_hooks, self._keepalive))
-            e = e._parent
+    def install_point(self, point) -> None:
+        """Install the torch hook of a module point (base ``.output`` / ``.inputs``); idempotent."""
+        if point in self._installed:
+            return
+        envoy = point.envoy
+        module = envoy.module
+        if point.base_kind == "output":
+            h = add_forward_hook(module, self.output_hook(point))
+        else:
+            h = add_forward_pre_hook(module, self.input_hook(point), with_kwargs=True)
+        self._handles.append(h)
+        self._installed.add(point)
+        self.keep_ancestors(envoy)
+
+    def keep_alive(self, module) -> None:
+        """Make ``module`` take torch's hooked path in this run (a no-op pre-hook, also the cancel checkpoint)."""
+        if module not in self._kept:
+            self._kept.add(module)
+            self._handles.append(add_forward_pre_hook(module, self._keepalive))
+
+    def keep_ancestors(self, envoy) -> None:
+        """``keep_alive`` every ancestor of ``envoy``.
+
+        A hook added while a module is already running only fires if that
+        module took torch's hooked path, i.e. had some hook when it started.
+        """
+        e = envoy.parent
+        while e is not None and e.module not in self._kept:
+            self.keep_alive(e.module)
+            e = e.parent
         if self.cancellable:
             # async runs: siblings along the path check for cancellation too, so
             # a cancel lands at the next layer rather than at the awaited point
             e = envoy
-            while e._parent is not None:
-                for sibling in e._parent._module._modules.values():
-                    if sibling is not None and sibling not in self._kept:
-                        self._kept.add(sibling)
-                        self._handles.append(_add_hook(sibling._forward_pre_hooks, self._keepalive))
-                e = e._parent
+            while e.parent is not None:
+                for sibling in submodules(e.parent.module).values():
+                    if sibling is not None:
+                        self.keep_alive(sibling)
+                e = e.parent
 
     def _keepalive(self, module, args):
         if self.cancelled:
-            raise _Interrupt()
+            raise StopForward()
 
     def already_ran(self, trap, current_point) -> bool:
-        order = self.model._call_order
+        """Kernel host: has ``trap`` run already in this pass, the model being at ``current_point``?"""
+        order = self.model.call_order
         if order is None:
             return False
-        if type(trap) is HookPoint and type(current_point) is HookPoint:
-            return order.already_ran(trap.envoy._module, trap.base_kind,
-                                     current_point.envoy._module, current_point.base_kind)
-        target, now = _order_position(trap), _order_position(current_point)
+        target, now = trap.order_position(), current_point.order_position()
         if target is None or now is None:
             return False
         return order.already_ran(target[0], target[1], now[0], now[1])
+
+    # --------------------------------------------- run interface: lifetime
+    def on_cleanup(self, handle) -> None:
+        """``handle.remove()`` is called when the run ends (success or failure), in reverse order."""
+        self._handles.append(handle)
+
+    def state(self, owner, factory=dict):
+        """Per-run storage of ``owner`` (a class, function, module or object), made by ``factory()`` on first use."""
+        st = self._state.get(owner)
+        if st is None:
+            st = self._state[owner] = factory()
+        return st
+
+    # ---------------------------------------------- run interface: firings
+    def firing(self, key):
+        """The :class:`Firing` of point ``key`` in progress (the model is inside it), or ``None``."""
+        return self._active.get(key)
+
+    @property
+    def in_adhoc_call(self) -> bool:
+        """True while an intervention calls a module ad hoc (no point fires)."""
+        return self._adhoc > 0
 
     def _deliver(self, key, firing) -> bool:
         """Resume the tasks waiting on ``key`` with ``firing``; True if the model must stop now."""
         active = self._active
         prev = active.get(key)
         active[key] = firing
+        kernel = self.kernel
         try:
-            self.kernel.provide(key, firing.view_for)
+            kernel.provide(key, firing.view_for)
         finally:
             if prev is None:
                 del active[key]
             else:
                 active[key] = prev
-        kernel = self.kernel
         return bool(kernel.failures or kernel.stop_requested or self.cancelled) and (
             kernel.interrupted or self.cancelled)
 
-    def _tapped(self, point, final) -> None:
-        taps = self._taps.get(point)
+    def _tapped(self, key, final) -> None:
+        taps = self._taps.get(key)
         if taps is not None:
             for tap in taps:
                 tap(final)
 
-    def _output_hook(self, point):
+    def output_hook(self, point):
+        """The forward hook that delivers module point ``point`` (subclasses may wrap it)."""
         def hook(module, args, output):
             if self._adhoc:
                 return None
             skips = self._skips.pop(module, None)
-            firing = _Firing(point, output, self.layout)
+            firing = Firing(point, output, self.layout)
             if skips:
                 for group, value in skips:
                     firing.replace(group, point, value)
             if self._deliver(point, firing):
-                raise _Interrupt()
+                raise StopForward()
             result = firing.result() if firing.replaced else None
             if self._taps:
                 self._tapped(point, output if result is None else result)
             return result
         return hook
 
-    def _input_hook(self, point):
+    def input_hook(self, point):
+        """The forward pre-hook (with kwargs) that delivers module point ``point`` (subclasses may wrap it)."""
         def hook(module, args, kwargs):
             if self._adhoc:
                 return None
-            firing = _Firing(point, (args, kwargs), self.layout)
+            firing = Firing(point, (args, kwargs), self.layout)
             if self._deliver(point, firing):
-                raise _Interrupt()
+                raise StopForward()
             new = firing.result() if firing.replaced else None
             if self._taps:
                 self._tapped(point, (args, kwargs) if new is None else new)
@@ -277,23 +335,27 @@ class Run:
 
         ``value`` is the full (batched) value as the model continues with it,
         after the firing's replacements. Used by caches and gradient capture;
-        installs the point's hook like an await would.
+        activates the point like an await would.
         """
         self.activate(point, None)
         self._taps.setdefault(point.key, []).append(callback)
 
     def fire(self, point, value, interrupt: bool = True):
-        """Deliver ``value`` at an extension point (gradient, source point) to its waiting tasks.
+        """Deliver ``value`` at an extension point (gradient, source point) to its waiting tasks, then its taps.
 
         Returns the merged replacement, or ``None`` if no task replaced it.
         ``interrupt=False`` leaves stopping to the next module hook (for
         firings inside a backward pass).
         """
-        firing = _Firing(point, value, self.layout)
+        firing = Firing(point, value, self.layout)
         if self._deliver(point.key, firing) and interrupt:
-            raise _Interrupt()
-        return firing.result()
+            raise StopForward()
+        new = firing.result()
+        if self._taps:
+            self._tapped(point.key, value if new is None else new)
+        return new
 
+    # --------------------------------- run interface: requests from interventions
     def replace(self, trap, task, value) -> None:
         firing = self._active.get(trap.key)
         if firing is None:
@@ -303,23 +365,52 @@ class Run:
         firing.replace(task.group, trap, value)
 
     def skip(self, envoy, task, value) -> None:
-        module = envoy._module
-        if envoy._root is not self.model:
-            raise NotInRunError(f"{envoy._path} belongs to another wrapped model")
+        module = envoy.module
+        if envoy.root is not self.model:
+            raise NotInRunError(f"{envoy.path} belongs to another wrapped model")
         if self.layout.covers_all(task.group) and module not in self._skips:
-            original = module.__dict__.get("forward")
+            original = instance_forward(module)
 
             def skipped_forward(*args, **kwargs):
-                _restore_forward(module, original)
+                set_instance_forward(module, original)
                 return value
-            module.forward = skipped_forward
+            set_instance_forward(module, skipped_forward)
             self._handles.append(_ForwardRestore(module, original))
         else:
             self._skips.setdefault(module, []).append((task.group, value))
-            point = envoy.output
-            if point.key not in self._installed:
-                self.activate(point, task)
+            self.activate(envoy.output, task)
 
+    def call_adhoc(self, module, args, kwargs):
+        self._adhoc += 1
+        try:
+            return module(*args, **kwargs)
+        finally:
+            self._adhoc -= 1
+
+    def request_stop(self, task) -> None:
+        """``m.stop()`` from ``task``: the whole run, or only its invoke when ``stop_per_invoke``."""
+        if task is None:
+            raise NotInRunError("m.stop() can only be called inside an intervention")
+        self.stop(task.group if self.stop_per_invoke else None)
+
+    def stop(self, invoke=None) -> None:
+        """Stop the model after the current hook firing; finished tasks keep their results.
+
+        ``invoke``: stop only that invoke (its unfinished tasks close at the
+        next hook point, as a stopped run would leave them; the forward goes on
+        for the others). It is recorded in ``stopped_invokes``.
+        """
+        if invoke is None:
+            self.kernel.stop_requested = True
+        else:
+            self.stopped_invokes.add(invoke)
+            self.kernel.cancel_group(invoke)
+
+    def cancel(self) -> None:
+        """Thread-safe: stop the model at its next hook point and raise ``RunCancelled``."""
+        self.cancelled = True
+
+    # -------------------------------------------- run interface: steps
     def track_steps(self, module, on_step=None) -> None:
         """Treat every call of ``module`` after the first as the start of a new step.
 
@@ -332,87 +423,103 @@ class Run:
             if self._adhoc:
                 return None
             if self.cancelled:
-                raise _Interrupt()
+                raise StopForward()
             if calls[0]:
                 if on_step is not None:
                     on_step(self.kernel.step + 1, args, kwargs)
-                self.kernel.begin_step()
-                if self.kernel.interrupted:
-                    raise _Interrupt()
+                self.begin_step()
             calls[0] += 1
             return None
-        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(add_forward_pre_hook(module, pre, with_kwargs=True))
         self._kept.add(module)
 
-    def call_adhoc(self, module, args, kwargs):
-        self._adhoc += 1
-        try:
-            return module(*args, **kwargs)
-        finally:
-            self._adhoc -= 1
+    def begin_step(self, active=None) -> None:
+        """A new step (forward pass) begins; ``active``: the invokes taking part (``None``: all).
 
-    def stop(self) -> None:
-        """Stop the model after the current hook firing; finished tasks keep their results."""
-        self.kernel.stop_requested = True
+        Raises :class:`StopForward` when the run must stop now.
+        """
+        kernel = self.kernel
+        kernel.begin_step(active)
+        if kernel.interrupted:
+            raise StopForward()
 
-    def cancel(self) -> None:
-        """Thread-safe: stop the model at its next hook point and raise ``RunCancelled``."""
-        self.cancelled = True
+    def end_invoke(self, index) -> None:
+        """Invoke ``index`` leaves the run early (its request finished); the others go on."""
+        self.kernel.end_group(index)
 
     # ------------------------------------------------------------ executing
-    def execute(self, forward) -> None:
-        """Start the tasks, call ``forward()`` and finish the kernel. Always cleans up."""
+    def start(self) -> None:
+        """Make the kernel, start every invoke's interventions and run them to their first await.
+
+        Raises :class:`StopForward` if the run must stop before the forward
+        begins. ``execute`` calls it; hosts that drive the model themselves
+        (vLLM's worker) call it, then ``begin_step``/``end_invoke``, then
+        ``finish`` and ``cleanup``.
+        """
         kernel = self.kernel = Kernel(self, self.on_error)
         model = self.model
-        lock = model._lock
+        for inv in self.invokes:
+            for fn in inv.fns:
+                coro = fn(model)
+                if not inspect.iscoroutine(coro):
+                    raise TypeError(
+                        f"{_fn_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
+                        "must be `async def` functions taking the model envoy")
+                inv.tasks.append(kernel.spawn(coro, inv.index, _fn_name(fn)))
+            if inv.cancelled:
+                kernel.cancel_group(inv.index)
+        if kernel.cancel_requests:
+            kernel._apply_cancels()
+        kernel.drain()
+        if kernel.interrupted:
+            raise StopForward()
+
+    def execute(self, forward) -> None:
+        """Start the tasks, call ``forward()`` and finish the kernel. Always cleans up."""
+        model = self.model
+        lock = model.run_lock
         if not lock.acquire(timeout=model.lock_timeout):
             raise RuntimeError(
                 f"the model is busy with another run for more than {model.lock_timeout} s; runs on one model "
                 "execute one at a time (use a serve.Batcher to share forwards between concurrent requests)")
         recorder = None
         try:
-            for inv in self.invokes:
-                for fn in inv.fns:
-                    coro = fn(model)
-                    if not inspect.iscoroutine(coro):
-                        raise TypeError(
-                            f"{_fn_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
-                            "must be `async def` functions taking the model envoy")
-                    inv.tasks.append(kernel.spawn(coro, inv.index, _fn_name(fn)))
-                if inv.cancelled:
-                    kernel.cancel_group(inv.index)
-            if kernel.cancel_requests:
-                kernel._apply_cancels()
-            kernel.drain()
-            if kernel.interrupted:
-                raise _Interrupt()
-            if model._call_order is None or not model._call_order.complete:
-                recorder = model._start_order_recording()
+            self.start()
+            if model.needs_order_recording():
+                recorder = model.start_order_recording()
             try:
                 self.output = forward()
-            except _Interrupt:
+            except StopForward:
                 self.stopped = True
             if recorder is not None:
-                recorder.stop()
-                model._finish_order_recording(recorder)
+                model.finish_order_recording(recorder)
+                recorder = None
             if self.cancelled:
                 raise RunCancelled("the run was cancelled; the forward stopped at a hook point and every hook was removed")
             if not self.stopped:
-                kernel.finish()
-        except _Interrupt:
+                self.kernel.finish()
+        except StopForward:
             self.stopped = True
         finally:
             if recorder is not None:
                 recorder.stop()
-            self._cleanup()
+            self.cleanup()
             lock.release()
+        self.finished()
+
+    def finished(self) -> None:
+        """Mark the run and its invokes done; raise the interventions' failures (``on_error="stop"``)."""
         self.done = True
-        failures = kernel.failures
+        for inv in self.invokes:
+            inv.done = True
+        kernel = self.kernel
+        failures = kernel.failures if kernel is not None else ()
         if failures and self.on_error == "stop":
             self._raise(failures)
         # on_error="continue": each failure stays with its own invoke (invoke.result raises it)
 
-    def _cleanup(self):
+    def cleanup(self) -> None:
+        """Close the kernel, remove every hook and drop every reference the run took (idempotent)."""
         kernel = self.kernel
         if kernel is not None:
             kernel.close()
@@ -424,38 +531,12 @@ class Run:
         self._active.clear()
         self._taps.clear()
         self._skips.clear()
+        self._state.clear()
 
     def _raise(self, failures):
         if len(failures) == 1:
             raise failures[0]
         raise ExceptionGroup(f"{len(failures)} interventions failed", list(failures))
-
-
-_hook_ids = itertools.count(-1, -1)  # negative keys: never collide with torch's own handle ids
-
-
-class _DictHook:
-    """A hook written straight into a module's hook dict (torch's handle objects cost ~2 µs each)."""
-
-    __slots__ = ("hooks", "key", "flags")
-
-    def __init__(self, hooks, key, flags):
-        self.hooks = hooks
-        self.key = key
-        self.flags = flags
-
-    def remove(self):
-        self.hooks.pop(self.key, None)
-        if self.flags is not None:
-            self.flags.pop(self.key, None)
-
-
-def _add_hook(hooks, fn, flags=None) -> _DictHook:
-    key = next(_hook_ids)
-    hooks[key] = fn
-    if flags is not None:
-        flags[key] = True
-    return _DictHook(hooks, key, flags)
 
 
 class _ForwardRestore:
@@ -466,22 +547,7 @@ class _ForwardRestore:
         self.original = original
 
     def remove(self):
-        _restore_forward(self.module, self.original)
-
-
-def _order_position(point):
-    """``(module, kind)`` of a point in the recorded call order, or ``None`` if it has no place there."""
-    custom = getattr(point, "order_position", None)
-    if custom is not None:
-        return custom()
-    return point.envoy._module, point.base_kind
-
-
-def _restore_forward(module, original):
-    if original is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = original
+        set_instance_forward(self.module, self.original)
 
 
 def _is_async_fn(fn) -> bool:
@@ -495,7 +561,8 @@ def _fn_name(fn) -> str:
 _checked = weakref.WeakSet()
 
 
-def _check_intervention(fn) -> None:
+def check_intervention(fn) -> None:
+    """Raise a clear ``TypeError`` unless ``fn`` can be an intervention (an ``async def fn(m)``)."""
     try:
         if fn in _checked:
             return

@@ -14,19 +14,21 @@ per-head view of an attention output).
 
 from __future__ import annotations
 
+import copy
 import difflib
 
 from ..kernel.errors import ModulePathError, NotInRunError
 from ..kernel.scheduler import current_kernel, current_task
-from ..kernel.traps import PointTrap
+from .modules import submodules
+from .points import Point
 
 _BASE_KINDS = ("output", "inputs")
 
 
-class HookPoint(PointTrap):
+class HookPoint(Point):
     """An awaitable hook point of one module (``m.x.output``)."""
 
-    __slots__ = ("envoy", "name", "key", "base_kind", "read", "write")
+    __slots__ = ("envoy", "name", "base_kind", "position")
 
     def __init__(self, envoy, name, base=None, read=None, write=None):
         self.envoy = envoy
@@ -35,41 +37,25 @@ class HookPoint(PointTrap):
         self.key = self if base is None else base.key
         self.read = read
         self.write = write
+        self.gradient = None
+        self.position = (envoy.module, self.base_kind)
 
     def describe(self) -> str:
-        path = self.envoy._path
+        path = self.envoy.path
         return f"{path}.{self.name}" if path else self.name
 
     def __repr__(self):
         return f"<hook point {self.describe()}>"
 
-    def __await__(self):
-        if current_kernel() is None:
+    def activate_in(self, run, task) -> None:
+        if self.envoy.root is not run.model:
             raise NotInRunError(
-                f"`await {self.describe()}` outside a run: hook points can only be awaited inside an "
-                "intervention passed to model.trace / model.atrace / model.generate (or a run's invoke), "
-                "which is where the model delivers them.")
-        return (yield self)
+                f"{self.describe()} belongs to another wrapped model; inside this run await the hook points of "
+                "the envoy your intervention received")
+        run.install_point(self.key)
 
-    def replace(self, value) -> None:
-        """Replace this point's value for the current invoke (call right after awaiting it)."""
-        task = current_task()
-        kernel = current_kernel()
-        if task is None:
-            raise NotInRunError(f"{self.describe()} can only be replaced from inside an intervention")
-        kernel.host.replace(self, task, value)
-
-    set = replace
-
-    @property
-    def grad(self):
-        """The gradient at this point during a backward pass started in the run (see asyncinterp.hooks.grad)."""
-        from .grad import grad_point
-        return grad_point(self)
-
-    @grad.setter
-    def grad(self, value):
-        self.grad.replace(value)
+    def order_position(self):
+        return self.position
 
 
 class point:
@@ -96,7 +82,7 @@ class point:
     def __get__(self, envoy, owner=None):
         if envoy is None:
             return self
-        points = envoy._points
+        points = envoy.points
         hp = points.get(self.name)
         if hp is None:
             if self.base is None:
@@ -136,13 +122,13 @@ class Envoy:
                   doc="the module's first positional argument")
 
     def __init__(self, module, path: str, root: "Envoy | None" = None, parent: "Envoy | None" = None):
-        d = self.__dict__
-        d["_module"] = module
-        d["_path"] = path
-        d["_root"] = root if root is not None else self
-        d["_parent"] = parent
-        d["_children"] = {}
-        d["_points"] = {}
+        init = object.__setattr__
+        init(self, "_module", module)
+        init(self, "_path", path)
+        init(self, "_root", root if root is not None else self)
+        init(self, "_parent", parent)
+        init(self, "_children", {})
+        init(self, "_points", {})
 
     # --------------------------------------------------------------- tree
     @property
@@ -155,25 +141,54 @@ class Envoy:
         """The wrapped ``nn.Module`` itself."""
         return self._module
 
+    @property
+    def root(self) -> "Envoy":
+        """The root envoy (the wrapped model) of this tree."""
+        return self._root
+
+    @property
+    def parent(self) -> "Envoy | None":
+        """The envoy of the parent module (``None`` for the root)."""
+        return self._parent
+
+    @property
+    def points(self) -> dict:
+        """This envoy's hook points made so far, by name (points are made on first access and cached)."""
+        return self._points
+
+    def reattached(self, root: "Envoy", parent: "Envoy | None") -> "Envoy":
+        """A copy of this envoy (same module and path) hung under another root, with no children or points yet."""
+        e = copy.copy(self)
+        init = object.__setattr__
+        init(e, "_root", e if root is None else root)
+        init(e, "_parent", parent)
+        init(e, "_children", {})
+        init(e, "_points", {})
+        return e
+
+    def envoy_class_for(self, module) -> type:
+        """The envoy class for a child module (the root decides; see ``ai.wrap(envoys=...)``)."""
+        return Envoy
+
     def _child(self, name: str) -> "Envoy":
         child = self._children.get(name)
         if child is None:
-            module = self._module._modules[name]
+            module = submodules(self._module)[name]
             path = f"{self._path}.{name}" if self._path else name
-            cls = self._root._envoy_class_for(module)
-            child = cls(module, path, self._root, self)
+            root = self._root
+            child = root.envoy_class_for(module)(module, path, root, self)
             self._children[name] = child
         return child
 
     def child(self, name: str) -> "Envoy":
         """The child envoy ``name`` (use for children whose names clash with hook points)."""
-        if name not in self._module._modules:
+        if name not in submodules(self._module):
             raise self._missing(name)
         return self._child(name)
 
     def __getattr__(self, name: str):
-        module = self.__dict__["_module"]
-        if name in module._modules:
+        module = object.__getattribute__(self, "_module")
+        if name in submodules(module):
             return self._child(name)
         if name.startswith("__"):
             raise AttributeError(name)
@@ -188,7 +203,7 @@ class Envoy:
         raise self._missing(name) from None
 
     def _missing(self, name):
-        names = list(self._module._modules)
+        names = list(submodules(self._module))
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         where = self._path or type(self._module).__name__
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -201,6 +216,9 @@ class Envoy:
         if isinstance(attr, point):
             attr.__set__(self, value)
             return
+        if isinstance(attr, property) and attr.fset is not None:
+            attr.fset(self, value)
+            return
         raise AttributeError(
             f"cannot set {name!r} on envoy {self._path or '<root>'}: only hook points "
             f"(e.g. .output, .input) can be assigned, inside an intervention")
@@ -210,7 +228,7 @@ class Envoy:
             child = self._children.get(str(index))
             if child is not None:
                 return child
-        keys = list(self._module._modules)
+        keys = list(submodules(self._module))
         if isinstance(index, str):
             return self.child(index)
         if isinstance(index, slice):
@@ -221,10 +239,10 @@ class Envoy:
             raise ModulePathError(f"{self._path or '<root>'} has {len(keys)} submodules; index {index} is out of range") from None
 
     def __len__(self):
-        return len(self._module._modules)
+        return len(submodules(self._module))
 
     def __iter__(self):
-        for k in list(self._module._modules):
+        for k in list(submodules(self._module)):
             yield self._child(k)
 
     def children(self):
@@ -264,21 +282,22 @@ class Envoy:
 
     # ------------------------------------------------------------ display
     def __repr__(self):
-        return self._tree(depth=0, max_depth=3)
+        return self.tree(depth=0, max_depth=3)
 
-    def _tree(self, depth, max_depth):
+    def tree(self, depth: int = 0, max_depth: int = 3) -> str:
+        """The module tree below this envoy as text (what ``repr`` shows), ``max_depth`` levels deep."""
         name = self._path.rsplit(".", 1)[-1] if self._path else "<root>"
         line = "  " * depth + f"{name}: {type(self._module).__name__}"
-        if depth >= max_depth or not self._module._modules:
-            if self._module._modules and depth >= max_depth:
-                line += f" ({len(self._module._modules)} children)"
+        if depth >= max_depth or not submodules(self._module):
+            if submodules(self._module) and depth >= max_depth:
+                line += f" ({len(submodules(self._module))} children)"
             return line
         kids = list(self)
         lines = [line]
         # collapse runs of identical containers like layers.0..11
-        if len(kids) > 3 and all(type(k._module) is type(kids[0]._module) for k in kids):
-            lines.append(kids[0]._tree(depth + 1, max_depth))
-            lines.append("  " * (depth + 1) + f"... {len(kids) - 1} more {type(kids[0]._module).__name__}")
+        if len(kids) > 3 and all(type(k.module) is type(kids[0].module) for k in kids):
+            lines.append(kids[0].tree(depth + 1, max_depth))
+            lines.append("  " * (depth + 1) + f"... {len(kids) - 1} more {type(kids[0].module).__name__}")
         else:
-            lines.extend(k._tree(depth + 1, max_depth) for k in kids)
+            lines.extend(k.tree(depth + 1, max_depth) for k in kids)
         return "\n".join(lines)

@@ -45,22 +45,27 @@ from __future__ import annotations
 import torch
 
 from ..kernel.errors import NotInRunError, OutOfOrderError
-from ..kernel.scheduler import current_kernel, current_task
-from ..kernel.traps import CallTrap, PointTrap, trap
+from ..kernel.scheduler import current_kernel
+from ..kernel.traps import CallTrap, trap
+from .modules import tensor_version
+from .points import Point
 
 __all__ = ["GradPoint", "backward", "grad_point"]
 
 
-class GradPoint(PointTrap):
+class GradPoint(Point):
     """The gradient at a hook point, delivered during a backward pass (``m.x.output.grad``)."""
 
-    __slots__ = ("point", "envoy", "key", "read", "write")
+    __slots__ = ("point", "envoy")
+
+    kind_label = "gradient points (while a backward pass started with `await m.backward(loss)` runs)"
 
     def __init__(self, point, base=None):
         self.point = point              # the forward hook point this is the gradient of
         self.envoy = point.envoy
         self.key = self if base is None else base
-        derived = point.key is not point and point.base_kind == "output"
+        self.gradient = None
+        derived = point.key is not point and getattr(point, "base_kind", None) == "output"
         self.read = point.read if derived else None
         self.write = point.write if derived else None
 
@@ -73,36 +78,20 @@ class GradPoint(PointTrap):
     def order_position(self):
         return None  # backward passes have no place in the forward call order
 
-    def __await__(self):
-        if current_kernel() is None:
-            raise NotInRunError(
-                f"`await {self.describe()}` outside a run: gradient points can only be awaited inside an "
-                "intervention, while a backward pass started with `await m.backward(loss)` runs")
-        return (yield self)
-
-    def replace(self, value) -> None:
-        """Replace this invoke's rows of the gradient (call right after awaiting it)."""
-        task = current_task()
-        if task is None:
-            raise NotInRunError(f"{self.describe()} can only be replaced from inside an intervention")
-        current_kernel().host.replace(self, task, value)
-
-    set = replace
-
     # ------------------------------------------------------------ run host side
     def activate_in(self, run, task) -> None:
-        if self.envoy._root is not run.model:
+        if self.envoy.root is not run.model:
             raise NotInRunError(
                 f"{self.describe()} belongs to another wrapped model; inside this run await the points of "
                 "the envoy your intervention received")
         base = self.point.key
-        captured = run.__dict__.setdefault("_grad_captured", set())
+        captured = run.state(GradPoint, set)
         if self.key in captured:
             return
         kernel = run.kernel
         now = kernel.current_point
         passed = kernel.fired.get(base, 0) > 0 or (now is not None and run.already_ran(base, now))
-        if passed and base not in run._active:
+        if passed and run.firing(base) is None:
             raise OutOfOrderError(
                 f"`await {self.describe()}`: {base.describe()} already ran in this forward pass, so its "
                 "gradient can no longer be captured. Await the gradient point before the model reaches the "
@@ -129,18 +118,18 @@ class _Capture:
                 f"{self.key.describe()} was awaited, but {self.base.describe()} holds no tensor that requires "
                 "grad: run the trace with grad enabled (not under torch.no_grad() / inference_mode) and with "
                 "parameters or inputs that require grad")
-        self.run._handles.append(tensor.register_hook(self._on_grad))
+        self.run.on_cleanup(tensor.register_hook(self._on_grad))
 
     def _on_grad(self, grad):
         run = self.run
         if run.kernel is None or run.kernel.finished:
             return None
         g = grad.clone()
-        version = g._version
+        version = tensor_version(g)
         new = run.fire(self.key, g, interrupt=False)
         if new is not None:
             return new
-        if g._version != version:
+        if tensor_version(g) != version:   # edited in place
             return g
         return None
 
@@ -163,19 +152,16 @@ def _first_grad_tensor(value):
 
 
 def grad_point(point) -> GradPoint:
-    """The gradient point of a forward hook point (what ``point.grad`` returns)."""
-    points = point.envoy._points
-    name = f"{point.name}.grad"
-    gp = points.get(name)
+    """The gradient point of a forward point (what ``point.grad`` returns; made once per point)."""
+    gp = point.gradient
     if gp is None:
         base = point.key
-        if point.key is point:
+        if base is point:
             gp = GradPoint(point)
         else:
             # a derived point shares its base's gradient firing, like it shares the forward firing
-            base_gp = grad_point(base)
-            gp = GradPoint(point, base_gp.key)
-        points[name] = gp
+            gp = GradPoint(point, grad_point(base).key)
+        point.gradient = gp
     return gp
 
 

@@ -58,8 +58,8 @@ import threading
 import types
 
 from ..kernel.errors import NotInRunError, OutOfOrderError
-from ..kernel.scheduler import current_kernel, current_task
-from ..kernel.traps import PointTrap
+from .modules import instance_forward, set_instance_forward
+from .points import Point
 
 __all__ = ["Source", "SourceOp", "SourcePoint", "source_of", "source_info"]
 
@@ -268,8 +268,9 @@ def source_info(fn, owner=None) -> SourceInfo:
 def _forward_of(module):
     cls = type(module)
     for klass in cls.__mro__:
-        if "forward" in klass.__dict__:
-            return klass.__dict__["forward"], klass
+        forward = vars(klass).get("forward")
+        if forward is not None:
+            return forward, klass
     raise TypeError(f"{cls.__name__} has no forward method")
 
 
@@ -282,21 +283,22 @@ class Source:
 
     def __init__(self, envoy, info=None, parent=None):
         if info is None:
-            fn, owner = _forward_of(envoy._module)
+            fn, owner = _forward_of(envoy.module)
             info = source_info(fn, owner)
-        self._envoy = envoy
-        self._info = info
-        self._parent = parent          # the SourceOp whose callee this is (None: the module's forward)
+        self.envoy = envoy
+        self.info = info
+        self.caller = parent           # the SourceOp whose callee this is (None: the module's forward)
+        self.target = None             # the function this source is of, when it is a callee
         self._ops = {}
-        self._prefix = f"{_path(envoy)}.source" if parent is None else f"{parent.describe()}.source"
+        self.prefix = f"{_path(envoy)}.source" if parent is None else f"{parent.describe()}.source"
 
     @property
     def ops(self) -> list:
         """Every call site, in source order."""
-        return [self._op(info) for info in self._info.ops]
+        return [self._op(info) for info in self.info.ops]
 
     def names(self) -> list:
-        return [op.name for op in self._info.ops]
+        return [op.name for op in self.info.ops]
 
     def _op(self, info):
         op = self._ops.get(info.index)
@@ -307,30 +309,31 @@ class Source:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        info = self._info.by_name.get(name)
+        # (an op whose name clashes with an attribute of Source: use source["name"])
+        info = self.info.by_name.get(name)
         if info is None:
             import difflib
-            close = difflib.get_close_matches(name, list(self._info.by_name), n=3, cutoff=0.4)
+            close = difflib.get_close_matches(name, list(self.info.by_name), n=3, cutoff=0.4)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise AttributeError(f"{self._info.qualname} has no call named {name!r}.{hint} "
-                                 f"print({self._prefix}) lists them")
+            raise AttributeError(f"{self.info.qualname} has no call named {name!r}.{hint} "
+                                 f"print({self.prefix}) lists them")
         return self._op(info)
 
     def __getitem__(self, name):
         return self.__getattr__(name)
 
     def __dir__(self):
-        return list(self._info.by_name)
+        return list(self.info.by_name)
 
     def __iter__(self):
         return iter(self.ops)
 
     def __len__(self):
-        return len(self._info.ops)
+        return len(self.info.ops)
 
     def __repr__(self):
-        return self._info.listing(f"{self._prefix}: {self._info.qualname}  "
-                                  f"({self._info.filename}:{self._info.start})")
+        return self.info.listing(f"{self.prefix}: {self.info.qualname}  "
+                                  f"({self.info.filename}:{self.info.start})")
 
 
 class SourceOp:
@@ -374,7 +377,7 @@ class SourceOp:
         return self.info.text
 
     def describe(self) -> str:
-        return f"{self.source_of_parent._prefix}.{self.name}"
+        return f"{self.source_of_parent.prefix}.{self.name}"
 
     # ------------------------------------------------------------ nesting
     @property
@@ -404,19 +407,19 @@ class SourceOp:
             raise TypeError(f"{self.describe()}: {fn!r} is not a Python function, it has no source to hook")
         src = self._callee_sources.get(target)
         if src is None:
-            src = self._callee_sources[target] = Source(self.source_of_parent._envoy, source_info(target), self)
-            src._target = target
+            src = self._callee_sources[target] = Source(self.source_of_parent.envoy, source_info(target), self)
+            src.target = target
         return src
 
     def _callee(self):
         info = self.info
         spec = info.func_path
-        parent_info = self.source_of_parent._info
+        parent_info = self.source_of_parent.info
         if spec is not None:
             root, parts = spec[0], spec[1:]
             obj = _MISSING
-            if root == "self" and self.source_of_parent._parent is None:
-                obj = type(self.source_of_parent._envoy._module)
+            if root == "self" and self.source_of_parent.caller is None:
+                obj = type(self.source_of_parent.envoy.module)
             elif root in parent_info.fn.__globals__:
                 obj = parent_info.fn.__globals__[root]
             for part in parts:
@@ -436,22 +439,24 @@ _MISSING = object()
 
 
 def _path(envoy):
-    return envoy._path or "<root>"
+    return envoy.path or "<root>"
 
 
-class SourcePoint(PointTrap):
+class SourcePoint(Point):
     """An awaitable source-level hook point (``envoy.source.<op>.output`` / ``.inputs``)."""
 
-    __slots__ = ("op", "kind", "envoy", "key", "read", "write", "base_kind", "_grad")
+    __slots__ = ("op", "kind", "envoy", "base_kind")
+
+    kind_label = "source points"
 
     def __init__(self, op, kind):
-        self._grad = None
         self.op = op
         self.kind = kind
-        self.envoy = op.source_of_parent._envoy
+        self.envoy = op.source_of_parent.envoy
         self.key = self
         self.read = None
         self.write = None
+        self.gradient = None
         self.base_kind = kind
 
     def describe(self) -> str:
@@ -462,62 +467,34 @@ class SourcePoint(PointTrap):
 
     def order_position(self):
         # inside the module: after its input, so a point that ran before the module started is out of order
-        return self.envoy._module, "inputs"
-
-    def __await__(self):
-        if current_kernel() is None:
-            raise NotInRunError(f"`await {self.describe()}` outside a run: source points can only be awaited "
-                                "inside an intervention")
-        return (yield self)
-
-    def replace(self, value) -> None:
-        task = current_task()
-        if task is None:
-            raise NotInRunError(f"{self.describe()} can only be replaced from inside an intervention")
-        current_kernel().host.replace(self, task, value)
-
-    set = replace
-
-    @property
-    def grad(self):
-        """The gradient at this call's result (or first tensor argument) during a backward pass."""
-        if self._grad is None:
-            from .grad import GradPoint
-            self._grad = GradPoint(self)
-        return self._grad
-
-    @grad.setter
-    def grad(self, value):
-        self.grad.replace(value)
+        return self.envoy.module, "inputs"
 
     def activate_in(self, run, task) -> None:
         envoy = self.envoy
-        if envoy._root is not run.model:
+        if envoy.root is not run.model:
             raise NotInRunError(f"{self.describe()} belongs to another wrapped model")
-        patches = run.__dict__.setdefault("_source_patches", {})
-        module = envoy._module
+        patches = run.state(SourcePoint)
+        module = envoy.module
         calls = patches.get(module)
         if calls is None:
-            if envoy.inputs.key in run._active:
+            if run.firing(envoy.inputs.key) is not None:
                 raise OutOfOrderError(
                     f"awaited {self.describe()} while {_path(envoy)} is starting (at its input): torch has already "
                     "chosen the forward for this call, so a source point can only be added before the module "
                     f"starts. Wait for both at once: `x, v = await ai.gather({_path(envoy)}.input, "
                     f"{self.describe()})`, or await the source point first")
-            calls = patches[module] = _Calls(run, source_of(envoy)._info)
+            calls = patches[module] = _Calls(run, source_of(envoy).info)
             calls.install(module)
-            if module not in run._kept:
-                run._kept.add(module)
-                run._handles.append(module.register_forward_pre_hook(run._keepalive))
-            run._keep_ancestors(envoy)
+            run.keep_alive(module)
+            run.keep_ancestors(envoy)
         # walk down from the module's forward through the call sites whose callees hold this point
         chain = []
         src = self.op.source_of_parent
-        while src._parent is not None:
+        while src.caller is not None:
             chain.append(src)
-            src = src._parent.source_of_parent
+            src = src.caller.source_of_parent
         for nested in reversed(chain):
-            calls = calls.child(nested._parent.info.index, nested._target, nested._info)
+            calls = calls.child(nested.caller.info.index, nested.target, nested.info)
         calls.want(self)
 
 
@@ -535,7 +512,7 @@ class _Calls:
         fire = run.fire
 
         def __ai_call__(index, fn, *args, **kwargs):
-            if run._adhoc:
+            if run.in_adhoc_call:
                 return fn(*args, **kwargs)
             p = inputs[index]
             if p is not None:
@@ -543,10 +520,6 @@ class _Calls:
                 if new is not None:
                     args, kwargs = new
                     args = tuple(args)
-                taps = run._taps.get(p)
-                if taps is not None:   # gradient capture
-                    for tap in taps:
-                        tap((args, kwargs))
             callee = getattr(fn, "__func__", fn)
             seen[index] = callee
             child = children.get(index) if children else None
@@ -562,10 +535,6 @@ class _Calls:
                 new = fire(p, out)
                 if new is not None:
                     out = new
-                taps = run._taps.get(p)
-                if taps is not None:   # gradient capture
-                    for tap in taps:
-                        tap(out)
             return out
 
         self.run = run
@@ -574,14 +543,14 @@ class _Calls:
         self.forward = None
 
     def install(self, module):
-        if "forward" in module.__dict__:
+        if instance_forward(module) is not None:
             raise NotInRunError(
                 f"{type(module).__name__}.forward was replaced on this instance (by another library or a skip "
                 "in this run); source-level hook points need the class's own forward")
         self.module = module
         self.forward = types.MethodType(self.function, module)
-        module.__dict__["forward"] = self.forward
-        self.run._handles.append(self)
+        set_instance_forward(module, self.forward)
+        self.run.on_cleanup(self)
 
     def child(self, index, target, info):
         c = self.children.get(index)
@@ -594,14 +563,17 @@ class _Calls:
         table[point.op.info.index] = point
 
     def remove(self):
-        if self.module is not None and self.module.__dict__.get("forward") is self.forward:
-            del self.module.__dict__["forward"]
+        if self.module is not None and instance_forward(self.module) is self.forward:
+            set_instance_forward(self.module, None)
 
 
 def source_of(envoy) -> Source:
     """``envoy.source`` (cached per envoy)."""
-    src = envoy.__dict__.get("_source")
+    points = envoy.points
+    src = points.get(_SOURCE_KEY)
     if src is None:
-        src = Source(envoy)
-        envoy.__dict__["_source"] = src
+        src = points[_SOURCE_KEY] = Source(envoy)
     return src
+
+
+_SOURCE_KEY = ("source",)   # not a string: never clashes with a point name

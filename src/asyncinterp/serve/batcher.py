@@ -29,7 +29,6 @@ result is delivered at once, before the longer requests finish.
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import logging
 import threading
@@ -40,7 +39,6 @@ import torch
 
 from ..kernel.errors import RunCancelled
 from ..kernel.scheduler import current_kernel, current_task
-from ..run import RunStopped
 
 log = logging.getLogger("asyncinterp.serve")
 
@@ -200,6 +198,9 @@ class _Request:
             inv.cancel()
 
 
+REQUESTS = "serve.requests"   # run.context key: invoke index -> the request it serves
+
+
 def emit(value) -> None:
     """Inside an intervention served by a :class:`Batcher`: send ``value`` to the client now.
 
@@ -213,7 +214,7 @@ def emit(value) -> None:
     task = current_task()
     if kernel is None or task is None:
         return None
-    requests = getattr(kernel.host, "_serve_requests", None)
+    requests = kernel.host.context.get(REQUESTS)
     if not requests:
         return None
     req = requests.get(task.group)
@@ -238,31 +239,6 @@ def _snapshot(value, depth=0):
     if isinstance(value, dict):
         return {k: _snapshot(v, depth + 1) for k, v in value.items()}
     return value
-
-
-def _stop_one_invoke(run):
-    task = current_task()
-    kernel = run.kernel
-    if task is None or kernel is None:
-        raise RuntimeError("m.stop() can only be called inside an intervention")
-    run._serve_stopped.add(task.group)
-    kernel.cancel_group(task.group)
-
-
-def _invoke_value(inv):
-    """``Invoke.result`` without requiring the run to be over (a request leaving a generation early)."""
-    if inv.cancelled:
-        raise RunCancelled(f"request was cancelled")
-    values = []
-    for t in inv.tasks:
-        if not t.done or t.closed:
-            raise RunStopped(f"intervention {t.name!r} did not finish: the run stopped early")
-        if t.exc is not None:
-            raise t.exc
-        values.append(t.result)
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _shape_key(x):
@@ -567,11 +543,10 @@ class Batcher:
         else:
             run = model.trace(on_error="continue")
         requests = {}
-        run._serve_requests = requests
-        run._serve_stopped = set()
+        run.context[REQUESTS] = requests
         # m.stop() from one request ends that request only (its unfinished tasks are closed at the next hook
         # point, as a stopped run would leave them); the shared forward goes on for the others
-        run.stop = functools.partial(_stop_one_invoke, run)
+        run.stop_per_invoke = True
         for r in live:
             try:
                 extra = {"max_new_tokens": r.max_new_tokens} if native else {}
@@ -619,7 +594,7 @@ class Batcher:
         if r.finished:
             return
         try:
-            value = _invoke_value(r.invoke) if early else r.invoke.result
+            value = r.invoke.value() if early else r.invoke.result
         except BaseException as exc:  # noqa: BLE001
             r.deliver(False, exc)
             return
@@ -721,7 +696,7 @@ class _GenerationWatch:
             rows = ids[span[0]:span[1]] if span is not None else ids
             if r.tokens is None:
                 r.tokens = [[] for _ in rows]
-            if idx in run._serve_stopped:   # m.stop() during this step: like a stopped run, no token from it
+            if idx in run.stopped_invokes:   # m.stop() during this step: like a stopped run, no token from it
                 kernel.end_group(idx)
                 self.batcher._finish_generation(run, r, early=True)
                 continue

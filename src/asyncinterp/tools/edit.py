@@ -38,30 +38,31 @@ def edit(model, fn, inplace: bool = False):
     """Return ``model`` with ``fn`` applied on every forward pass of every later run (see module docs)."""
     _check(fn)
     target = model if inplace else clone(model)
-    target.__dict__["_edits"] = tuple(target.__dict__.get("_edits", ())) + (fn,)
+    target.edits = target.edits + (fn,)
     return target
 
 
 def remove_edits(model, fn=None) -> None:
     """Remove every edit of ``model`` (or only ``fn``)."""
-    edits = model.__dict__.get("_edits", ())
+    edits = model.edits
     if fn is None:
-        model.__dict__["_edits"] = ()
+        model.edits = ()
         return
     if fn not in edits:
         raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is not an edit of this model; its edits are "
                          f"{[getattr(e, '__qualname__', e) for e in edits]}")
     kept = list(edits)
     kept.remove(fn)
-    model.__dict__["_edits"] = tuple(kept)
+    model.edits = kept
 
 
 def apply_edits(model, run) -> None:
     """Put the model's edits first in ``run`` (called when the run executes)."""
-    edits = model.__dict__.get("_edits")
-    if not edits or getattr(run, "_edits_applied", False):
+    edits = model.edits
+    applied = run.state(apply_edits, lambda: [False])
+    if not edits or applied[0]:
         return
-    run._edits_applied = True
+    applied[0] = True
     run.invoke(None, *[_every_step(fn) for fn in edits])
     run.invokes.insert(0, run.invokes.pop())
     for i, inv in enumerate(run.invokes):
@@ -79,17 +80,11 @@ def _every_step(fn):
 # ------------------------------------------------------------------ cloning
 def clone(model):
     """A new root envoy over the same module and state, with its own envoy tree."""
-    cls = type(model)
-    new = cls.__new__(cls)
-    d = new.__dict__
-    d.update(model.__dict__)
-    d["_root"] = new
-    d["_children"] = {}
-    d["_points"] = {}
+    new = model.reattached(None, None)   # its own root
     memo = {}
-    for k, v in list(d.items()):
-        if k not in ("_root", "_module", "_lock", "_parent"):
-            d[k] = _reroot(v, model, new, memo)
+    for k, v in list(vars(new).items()):
+        if k not in ("_root", "_module", "run_lock", "_parent", "_children", "_points"):
+            object.__setattr__(new, k, _reroot(v, model, new, memo))
     return new
 
 
@@ -98,17 +93,10 @@ def _reroot(value, old, new, memo):
     if id(value) in memo:
         return memo[id(value)]
     out = value
-    if isinstance(value, Envoy) and value is not old and value._root is old:
-        e = type(value).__new__(type(value))
-        e.__dict__.update(value.__dict__)
-        e.__dict__["_root"] = new
-        e.__dict__["_children"] = {}
-        e.__dict__["_points"] = {}
-        if value._parent is old:
-            e.__dict__["_parent"] = new
-        out = e
+    if isinstance(value, Envoy) and value is not old and value.root is old:
+        out = value.reattached(new, new if value.parent is old else value.parent)
     elif isinstance(value, PointTrap) and getattr(value, "envoy", None) is not None \
-            and isinstance(value.envoy, Envoy) and value.envoy._root is old:
+            and isinstance(value.envoy, Envoy) and value.envoy.root is old:
         p = copy.copy(value)
         p.envoy = _reroot(value.envoy, old, new, memo)
         if getattr(value, "key", None) is value:

@@ -128,7 +128,7 @@ def scan(model, input, fn=None, modules=None, *, outputs: bool = True, inputs: b
         cache = Cache(modules, outputs=outputs, inputs=inputs, points=points, detach=True,
                       include_root=include_root)
         fn = cache
-    run = model._new_run()
+    run = model.new_run()
     inv = run.invoke(input, fn, **kwargs)
     execute = run.execute
 

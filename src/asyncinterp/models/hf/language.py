@@ -67,7 +67,7 @@ class LanguageModel(GeneratingModel, Model):
         return cls(model, tokenizer)
 
     # ------------------------------------------------------------------ runs
-    def _new_run(self, **options) -> LMRun:
+    def new_run(self, **options) -> LMRun:
         return LMRun(self, **options)
 
     def _prepare(self, run):

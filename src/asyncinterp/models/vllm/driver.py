@@ -43,7 +43,7 @@ import torch
 
 from ...kernel.errors import RunCancelled
 from ...model import Trace
-from ...run import Invoke, _check_intervention
+from ...run import Invoke, check_intervention
 from ..generating import GeneratingModel
 from .worker import (
     Flags,
@@ -218,7 +218,7 @@ class VLLMRun(Trace):
         if callable(input) and not fns and not isinstance(input, torch.Tensor) and _is_async(input):
             input, fns = None, (input,)
         for fn in fns:
-            _check_intervention(fn)
+            check_intervention(fn)
         inv = VLLMInvoke(self, len(self.invokes), input, fns)
         if input is None and (sampling or sampling_params is not None):
             raise TypeError("an invoke without a prompt has no request, so it takes no sampling parameters")
@@ -280,9 +280,9 @@ class VLLMRun(Trace):
             if model.tp > 1:
                 payload = _dumps(payload)
             extras = None
-            if model.tp == 1 and getattr(self, "_serve_requests", None) is not None:
+            if model.tp == 1 and self.context:
                 # serving (in process): serve.emit finds its requests, m.stop() ends one request only
-                extras = {"_serve_requests": self._serve_requests, "stop_one": "stop" in self.__dict__}
+                extras = {"context": self.context, "stop_per_invoke": self.stop_per_invoke}
             model._rpc(rpc_open, self.on_error, payload, extras)
         except BaseException:
             _abort(engine, list(by_id))
@@ -353,9 +353,9 @@ class VLLMRun(Trace):
         """Invokes whose task called m.stop() in this step, in a run that stops one invoke at a time."""
         session = self.model.__dict__.get("_local_session")
         wrun = session.run if session is not None else None
-        if wrun is None or not wrun.stopped_groups:
+        if wrun is None or not wrun.stopped_invokes:
             return set()
-        new = wrun.stopped_groups - self._stop_seen
+        new = wrun.stopped_invokes - self._stop_seen
         self._stop_seen |= new
         served = getattr(self, "_serve_stopped", None)
         if served is not None:
@@ -578,16 +578,16 @@ class VLLM(GeneratingModel, VLLMRoot):
         """Run ``fn(worker, *args)`` on every rank (in process for TP=1); returns rank 0's answer."""
         return self.llm.collective_rpc(fn, args=args)[0]
 
-    def _new_run(self, **options) -> VLLMRun:
+    def new_run(self, **options) -> VLLMRun:
         return VLLMRun(self, max_new_tokens=1, on_error=options.get("on_error", "stop"))
 
-    def _execute(self, run) -> None:
+    def execute(self, run) -> None:
         if self.__dict__.get("_closed"):
             raise RuntimeError("this VLLM model was closed")
-        if self.__dict__.get("_edits"):
+        if self.edits:
             from ...tools.edit import apply_edits
             apply_edits(self, run)
-        lock = self._lock
+        lock = self.run_lock
         if not lock.acquire(timeout=self.lock_timeout):
             raise RuntimeError(f"the model is busy with another run for more than {self.lock_timeout} s")
         try:
@@ -626,8 +626,8 @@ class VLLM(GeneratingModel, VLLMRoot):
             "processes: use the envoy the intervention receives (`async def fn(m): ... m.model.layers[3]`), "
             "not the driver's model object, inside interventions")
 
-    def _tree(self, depth, max_depth):
-        text = VLLMRoot._tree(self, depth, max_depth)
+    def tree(self, depth=0, max_depth=3):
+        text = VLLMRoot.tree(self, depth, max_depth)
         if depth == 0:
             text += "\n(+ points m.logits, m.tokens; layers[i].hidden is the residual stream)"
         return text

@@ -30,7 +30,6 @@ shared memory under tensor parallelism).
 
 from __future__ import annotations
 
-import inspect
 import mmap
 import os
 import struct
@@ -41,9 +40,9 @@ import torch
 
 from ...hooks.envoy import Envoy, HookPoint, point
 from ...kernel.errors import NotInRunError, ReplacementError
-from ...kernel.scheduler import Kernel, current_kernel, current_task
+from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
-from ...run import Run, _Interrupt, _fn_name
+from ...run import Run, StopForward
 from .layout import FlatLayout
 from .tp import sharding_for
 
@@ -189,10 +188,10 @@ class VLLMRoot(Model):
                 return list(m._modules.values())
         return []
 
-    def _envoy_class_for(self, module):
+    def envoy_class_for(self, module):
         if id(module) in self.__dict__.get("_layer_ids", ()):
             return LayerEnvoy
-        return Model._envoy_class_for(self, module)
+        return Model.envoy_class_for(self, module)
 
     @property
     def sampler(self) -> Envoy:
@@ -324,8 +323,6 @@ class WorkerRun(Run):
         self.left = set()         # invoke groups whose request has finished
         self.halted = False
         self.nsteps = 0
-        self.stop_one = False     # m.stop() ends only the calling invoke's request (serving)
-        self.stopped_groups = set()
         self._recorder = None
         model = self.runner.model
         self._ranked = {}
@@ -344,33 +341,24 @@ class WorkerRun(Run):
             else:
                 self.req_groups[rid] = inv.index
                 self.group_reqs[inv.index] = rid
-        kernel = self.kernel = Kernel(self, self.on_error)
         model = self.runner.model
-        self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
-        self._kept.add(model)
+        self.on_cleanup(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self.keep_alive(model)
         root = self.model
-        if root._call_order is None or not root._call_order.complete:
-            self._recorder = root._start_order_recording()
+        if root.needs_order_recording():
+            self._recorder = root.start_order_recording()
         try:
-            for inv in self.invokes:
-                for fn in inv.fns:
-                    coro = fn(root)
-                    if not inspect.iscoroutine(coro):
-                        raise TypeError(
-                            f"{_fn_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
-                            "must be `async def` functions taking the model envoy")
-                    inv.tasks.append(kernel.spawn(coro, inv.index, _fn_name(fn)))
-            kernel.drain()
+            self.start()
+        except StopForward:
+            self._halt()
         except BaseException:
             self._stop_recording()
-            self._cleanup()
+            self.cleanup()
             raise
-        if kernel.interrupted:
-            self._halt()
 
     # ------------------------------------------------------------- every step
     def _on_forward(self, module, args, kwargs):
-        if self._adhoc or self.halted:
+        if self.in_adhoc_call or self.halted:
             return None
         runner = self.runner
         kernel = self.kernel
@@ -385,7 +373,7 @@ class WorkerRun(Run):
                 self.started.discard(rid)
                 group = self.req_groups[rid]
                 self.left.add(group)
-                kernel.end_group(group)
+                self.end_invoke(group)
         spans = {}
         groups = self.req_groups
         for i in range(n):
@@ -416,25 +404,25 @@ class WorkerRun(Run):
             self.session.flags.halted = True
 
     # ------------------------------------------------------------------ hooks
-    def _output_hook(self, point):
-        return self._wrap(point, Run._output_hook(self, point), "output")
+    def output_hook(self, point):
+        return self._wrap(point, Run.output_hook(self, point), "output")
 
-    def _input_hook(self, point):
-        return self._wrap(point, Run._input_hook(self, point), "inputs")
+    def input_hook(self, point):
+        return self._wrap(point, Run.input_hook(self, point), "inputs")
 
     def _wrap(self, point, inner, kind):
         envoy = point.envoy
-        module = envoy._module
+        module = envoy.module
         per_request = module in self._ranked
         shard = None
         if self.session.tp > 1:
-            parent = envoy._parent._module if envoy._parent is not None else None
+            parent = envoy.parent.module if envoy.parent is not None else None
             shard = sharding_for(module, kind, parent)
         run = self
 
         if kind == "output":
             def hook(mod, args, output):
-                if run.halted or run._adhoc:
+                if run.halted or run.in_adhoc_call:
                     return None
                 if per_request:
                     saved, run.layout = run.layout, run.request_layout
@@ -442,7 +430,7 @@ class WorkerRun(Run):
                     value = shard.gather(output) if shard is not None else output
                     try:
                         result = inner(mod, args, value)
-                    except _Interrupt:
+                    except StopForward:
                         run._halt()
                         result = None
                     if shard is not None:
@@ -454,7 +442,7 @@ class WorkerRun(Run):
             return hook
 
         def pre_hook(mod, args, kwargs):
-            if run.halted or run._adhoc:
+            if run.halted or run.in_adhoc_call:
                 return None
             if shard is not None:
                 full_args, full_kwargs = shard.gather((args, kwargs))
@@ -462,7 +450,7 @@ class WorkerRun(Run):
                 full_args, full_kwargs = args, kwargs
             try:
                 result = inner(mod, full_args, full_kwargs)
-            except _Interrupt:
+            except StopForward:
                 run._halt()
                 result = None
             if shard is None:
@@ -483,17 +471,7 @@ class WorkerRun(Run):
         envoy = getattr(trap, "envoy", None)
         if envoy is None:
             return 0
-        return self._ranked.get(envoy._module, 0)
-
-    def stop(self) -> None:
-        if not self.stop_one:
-            Run.stop(self)
-            return
-        task = current_task()
-        if task is None:
-            raise NotInRunError("m.stop() can only be called inside an intervention")
-        self.stopped_groups.add(task.group)     # the driver aborts the request after this step
-        self.kernel.cancel_group(task.group)    # its other tasks close at the next hook point
+        return self._ranked.get(envoy.module, 0)
 
     # ------------------------------------------------------------- task info
     def generated(self, group) -> Generated:
@@ -523,7 +501,7 @@ class WorkerRun(Run):
         if rec is not None:
             self._recorder = None
             rec.stop()
-            self.model._finish_order_recording(rec)
+            self.model.finish_order_recording(rec)
 
     def close(self, cancelled: bool = False):
         """Finish the kernel (unless halted or cancelled), remove every hook; returns (outcomes, failures)."""
@@ -533,7 +511,7 @@ class WorkerRun(Run):
             if kernel is not None and not cancelled and not self.halted:
                 kernel.finish()
         finally:
-            self._cleanup()
+            self.cleanup()
         self.done = True
         outcomes = [[Outcome(t.name, t.done, t.closed, t.result, t.exc) for t in inv.tasks] for inv in self.invokes]
         failures = list(kernel.failures) if kernel is not None else []
