@@ -47,9 +47,12 @@ class RunStopped(AsyncInterpError):
 class Invoke:
     """One input of a run and the interventions that see its rows."""
 
+    #: whether this invoke still needs its run after the run is over (generation results are read from it);
+    #: otherwise the run is held weakly once done, so a finished run is freed by reference counting alone
+    keeps_run = False
 
     def __init__(self, run, index, input, fns, kwargs=None):
-        self.run = run
+        self._run = run
         self.index = index
         self.input = input
         self.fns = list(fns)
@@ -57,6 +60,18 @@ class Invoke:
         self.tasks = []
         self.cancelled = False
         self.done = False              # set when the run is over
+
+    @property
+    def run(self):
+        """The run this invoke belongs to (``None`` once the run is over and nobody else holds it)."""
+        run = self._run
+        return run() if isinstance(run, weakref.ref) else run
+
+    def finish(self) -> None:
+        """The run is over: results are final (called by ``Run.finished``)."""
+        self.done = True
+        if not self.keeps_run and not isinstance(self._run, weakref.ref):
+            self._run = weakref.ref(self._run)
 
     def cancel(self) -> None:
         """Thread-safe: close this invoke's interventions at the model's next hook point.
@@ -66,7 +81,7 @@ class Invoke:
         the whole run instead.)
         """
         run = self.run
-        if self.done or run.done:   # too late: it finished; keep its result
+        if self.done or run is None or run.done:   # too late: it finished; keep its result
             return
         self.cancelled = True
         kernel = run.kernel
@@ -511,7 +526,7 @@ class Run:
         """Mark the run and its invokes done; raise the interventions' failures (``on_error="stop"``)."""
         self.done = True
         for inv in self.invokes:
-            inv.done = True
+            inv.finish()
         kernel = self.kernel
         failures = kernel.failures if kernel is not None else ()
         if failures and self.on_error == "stop":
@@ -523,6 +538,7 @@ class Run:
         kernel = self.kernel
         if kernel is not None:
             kernel.close()
+            kernel.host = None   # the kernel's back-reference: a finished run holds no cycle
         for h in reversed(self._handles):
             h.remove()
         self._handles.clear()

@@ -104,6 +104,8 @@ class Generated:
 class Generation(Invoke):
     """An invoke of a generation: its intervention's result plus what was generated for it."""
 
+    keeps_run = True   # tokens and text are read from the run afterwards
+
     @property
     def result(self):
         """The intervention's return value (``None`` without one; a tuple for several)."""

@@ -141,6 +141,8 @@ def _skeleton(entries):
 class VLLMInvoke(Invoke):
     """One vLLM request and its interventions: ``.result``, ``.tokens``, ``.text`` after the run."""
 
+    keeps_run = True   # tokens and text are read from the run afterwards
+
     def __init__(self, run, index, input, fns, kwargs=None):
         Invoke.__init__(self, run, index, input, fns, kwargs)
         self.prompt_ids = None
