@@ -16,9 +16,12 @@ import torch
 
 from .kernel.errors import (
     AsyncInterpError,
+    MissedHookPoint,
     NotInRunError,
+    OutOfOrderError,
     ReplacementError,
     RunCancelled,
+    await_site,
 )
 from .hooks.modules import (
     add_forward_hook,
@@ -121,7 +124,7 @@ class Invoke:
 class Firing:
     """One hook point firing: the full value, per-invoke views, replacements."""
 
-    __slots__ = ("point", "value", "layout", "views", "replaced")
+    __slots__ = ("point", "value", "layout", "views", "replaced", "reshaped")
 
     def __init__(self, point, value, layout):
         self.point = point
@@ -129,6 +132,7 @@ class Firing:
         self.layout = layout
         self.views = {}
         self.replaced = None
+        self.reshaped = None      # a whole-batch replacement of another shape (opted in)
 
     def base_view(self, group):
         views = self.views
@@ -146,19 +150,27 @@ class Firing:
             v = trap.read(v)
         return v
 
-    def replace(self, group, trap, new):
+    def replace(self, group, trap, new, shape_change: bool = False):
         old = self.base_view(group)
         if trap.write is not None:
             new = trap.write(new, old)
-        check_replacement(trap.key.describe(), new, old)
+        check_replacement(trap.key.describe(), new, old, shape_change=shape_change)
         if self.replaced is None:
             self.replaced = {}
         self.replaced[group] = new
         self.views.pop(group, None)
+        if shape_change:
+            if not self.layout.covers_all(group):
+                raise ReplacementError(
+                    f"{trap.describe()}: a shape-changing replacement must cover the whole batch, but this invoke "
+                    "owns only some of its rows; run it as its own trace, or keep the shape")
+            self.reshaped = new
 
     def result(self):
         if not self.replaced:
             return None
+        if self.reshaped is not None:
+            return self.reshaped
         return self.layout.merge(self.value, self.replaced)
 
 
@@ -194,6 +206,7 @@ class Run:
         self._skips = {}
         self._adhoc = 0
         self._taps = {}                    # point key -> callbacks seeing each firing's final value
+        self._pending_skips = []           # forward swaps of skip(), to check they were applied
         self._state = {}                   # owner -> per-run state (Run.state)
 
     # ------------------------------------------------------------- building
@@ -318,7 +331,7 @@ class Run:
             skips = self._skips.pop(module, None)
             firing = Firing(point, output, self.layout)
             if skips:
-                for group, value in skips:
+                for group, value, _ in skips:
                     firing.replace(group, point, value)
             if self._deliver(point, firing):
                 raise StopForward()
@@ -371,29 +384,56 @@ class Run:
         return new
 
     # --------------------------------- run interface: requests from interventions
-    def replace(self, trap, task, value) -> None:
+    def replace(self, trap, task, value, shape_change: bool = False) -> None:
         firing = self._active.get(trap.key)
         if firing is None:
             raise NotInRunError(
                 f"{trap.describe()} is not firing now: replace it right after `await {trap.describe()}` "
                 "(before the intervention awaits anything else)")
-        firing.replace(task.group, trap, value)
+        firing.replace(task.group, trap, value, shape_change)
 
     def skip(self, envoy, task, value) -> None:
+        """``envoy.skip(value)``: the module's next call outputs ``value`` for this invoke.
+
+        Before the module starts, its ``forward`` is swapped for one that
+        returns ``value`` (nothing is computed) when the invoke owns the whole
+        batch; otherwise, or when called at the module's own input point
+        (torch has chosen the forward by then), the module runs and this
+        invoke's rows of its output are replaced. Skipping a module that
+        already ran in this pass is an ``OutOfOrderError``.
+        """
         module = envoy.module
         if envoy.root is not self.model:
             raise NotInRunError(f"{envoy.path} belongs to another wrapped model")
-        if self.layout.covers_all(task.group) and module not in self._skips:
-            original = instance_forward(module)
+        output = envoy.output
+        kernel = self.kernel
+        key = output.key
+        fired = kernel.fired.get(key, 0)
+        at_input = self._active.get(envoy.inputs.key) is not None
+        now = kernel.current_point
+        if (fired > task.consumed.get(key, 0)
+                or (fired == 0 and not at_input and now is not None and now is not output
+                    and self.already_ran(output, now))):
+            where = await_site(task.coro) if task.coro is not None else "<unknown line>"
+            raise OutOfOrderError(
+                f"{envoy.path}.skip(...) at {where}: {envoy.path} already ran in this forward pass (the "
+                f"intervention is at {now.describe() if now is not None else 'the start of the pass'}), so "
+                "there is nothing left to skip. Call skip before the module runs, e.g. right after awaiting "
+                "a point of an earlier module, or at the start of the intervention")
+        where = await_site(task.coro)
+        if not at_input and self.layout.covers_all(task.group) and module not in self._skips:
+            restore = _ForwardRestore(module, instance_forward(module), f"{envoy.path}.skip(...) at {where}")
 
             def skipped_forward(*args, **kwargs):
-                set_instance_forward(module, original)
+                restore.remove()
+                restore.applied = True
                 return value
             set_instance_forward(module, skipped_forward)
-            self._handles.append(_ForwardRestore(module, original))
+            self._handles.append(restore)
+            self._pending_skips.append(restore)
         else:
-            self._skips.setdefault(module, []).append((task.group, value))
-            self.activate(envoy.output, task)
+            self._skips.setdefault(module, []).append((task.group, value, f"{envoy.path}.skip(...) at {where}"))
+            self.activate(output, task)
 
     def call_adhoc(self, module, args, kwargs):
         self._adhoc += 1
@@ -512,6 +552,7 @@ class Run:
             if self.cancelled:
                 raise RunCancelled("the run was cancelled; the forward stopped at a hook point and every hook was removed")
             if not self.stopped:
+                self._check_skips()
                 self.kernel.finish()
         except StopForward:
             self.stopped = True
@@ -521,6 +562,15 @@ class Run:
             self.cleanup()
             lock.release()
         self.finished()
+
+    def _check_skips(self) -> None:
+        missed = [what for entries in self._skips.values() for _, _, what in entries]
+        missed += [r.what for r in self._pending_skips if not r.applied]
+        self._pending_skips.clear()
+        for what in missed:
+            self.kernel.failures.append(MissedHookPoint(
+                f"{what} was never applied: the module did not run again after it in this run. Call skip "
+                "before the module runs (a module that already ran in this pass cannot be skipped)"))
 
     def finished(self) -> None:
         """Mark the run and its invokes done; raise the interventions' failures (``on_error="stop"``)."""
@@ -547,6 +597,7 @@ class Run:
         self._active.clear()
         self._taps.clear()
         self._skips.clear()
+        self._pending_skips.clear()
         self._state.clear()
 
     def _raise(self, failures):
@@ -558,9 +609,11 @@ class Run:
 class _ForwardRestore:
     """A handle that restores a module's ``forward`` attribute (for skip)."""
 
-    def __init__(self, module, original):
+    def __init__(self, module, original, what):
         self.module = module
         self.original = original
+        self.what = what
+        self.applied = False
 
     def remove(self):
         set_instance_forward(self.module, self.original)

@@ -127,18 +127,26 @@ class BatchLayout(Layout):
         return parts[-1][1] if parts else value
 
 
-def check_replacement(point_name: str, new, old, path: str = "") -> None:
-    """Raise :class:`ReplacementError` unless ``new`` has the structure and shapes of ``old``."""
+def check_replacement(point_name: str, new, old, path: str = "", shape_change: bool = False) -> None:
+    """Raise :class:`ReplacementError` unless ``new`` has the structure and shapes of ``old``.
+
+    ``shape_change=True`` (an explicit opt-in) accepts tensors of another shape.
+    """
     where = f"{point_name}{path}"
     if isinstance(old, torch.Tensor):
         if not isinstance(new, torch.Tensor):
             raise ReplacementError(
                 f"replacement for {where} must be a tensor of shape {tuple(old.shape)}, got {type(new).__name__}")
-        if new.shape != old.shape:
+        if new.shape != old.shape and not shape_change:
+            hint = ""
+            if old.dim() >= 2 and tuple(new.shape) == tuple(old.shape[1:]):
+                hint = (" It has the shape of one batch row: was it taken with `[0]`? Modules that return a "
+                        "tensor (transformers 5 decoder layers do) give the batch at [0], not the hidden states.")
             raise ReplacementError(
                 f"replacement for {where} has shape {tuple(new.shape)} but the value it replaces has shape "
                 f"{tuple(old.shape)}; this invoke's view is what must be matched (use .expand/.reshape, or "
-                "edit the awaited tensor in place)")
+                "edit the awaited tensor in place). To change the shape on purpose, use "
+                f"`{point_name}.replace(value, shape_change=True)`." + hint)
         return
     if isinstance(old, (tuple, list)):
         if not isinstance(new, (tuple, list)) or len(new) != len(old):
@@ -146,10 +154,10 @@ def check_replacement(point_name: str, new, old, path: str = "") -> None:
                 f"replacement for {where} must be a {type(old).__name__} of {len(old)} items like the original, "
                 f"got {type(new).__name__}" + (f" of {len(new)}" if isinstance(new, (tuple, list)) else ""))
         for i, (n, o) in enumerate(zip(new, old)):
-            check_replacement(point_name, n, o, f"{path}[{i}]")
+            check_replacement(point_name, n, o, f"{path}[{i}]", shape_change)
         return
     if isinstance(old, dict):
         if not isinstance(new, dict) or set(new) != set(old):
             raise ReplacementError(f"replacement for {where} must be a mapping with keys {sorted(old)}")
         for k in old:
-            check_replacement(point_name, new[k], old[k], f"{path}[{k!r}]")
+            check_replacement(point_name, new[k], old[k], f"{path}[{k!r}]", shape_change)
