@@ -107,6 +107,11 @@ def test_repeated_calls_give_lists_and_steps(net):
     assert c.all("inner.head.output")[1].shape == (2, 4)
     assert c.steps_of("inner.head.output") == [0, 0]
     assert len(c.step(0).all("inner.head.output")) == 2
+    assert len(c.step(1)) == 0 and len(c) == 1             # step() copies; the cache keeps its values
+    assert list(c.recorded) == c.keys() == ["inner.head.output"]
+    assert repr(c.inner) == "<cache entries under 'inner': 1 keys>"
+    with pytest.raises(AttributeError, match="the cache has nothing under 'inner.tail'"):
+        c.inner.tail
 
 
 def test_cache_across_generation_steps_equals_hooks():

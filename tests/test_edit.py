@@ -150,3 +150,26 @@ def test_edits_page_runs(capsys):
     out = capsys.readouterr().out
     assert "0.0\nTrue\n" in out and "()" in out
     assert ns["model"].edits == ()
+
+
+def test_edit_rejects_non_interventions_with_edit_message(net):
+    model = ai.wrap(net)
+    coro = zero_layer2(model)                   # a coroutine object, not the function
+    with pytest.raises(TypeError, match="model.edit expects"):
+        model.edit(coro)
+    coro.close()
+    with pytest.raises(TypeError, match="model.edit expects"):
+        model.edit(3)
+    with pytest.raises(TypeError, match="plain function"):
+        model.edit(lambda m: zero_layer2(m))    # allowed in a trace, not as an edit
+
+
+def test_edited_copy_keeps_per_model_aliases(net):
+    from asyncinterp.hooks.aliases import aliases_of, set_alias
+    model = ai.wrap(net)
+    set_alias(model, "final_norm", "layers.5")
+    edited = model.edit(zero_layer2)
+    assert aliases_of(edited) == {"final_norm": "layers.5"}
+    assert edited.final_norm.path == "layers.5" and edited.final_norm.root is edited
+    set_alias(edited, "final_norm", "layers.4")  # the copy's aliases are its own
+    assert model.final_norm.path == "layers.5" and edited.final_norm.path == "layers.4"

@@ -94,6 +94,35 @@ def test_scan_runs_interventions_with_fake_tensors():
         model.scan(torch.randn(3, 8), wrong)
 
 
+def test_scan_is_a_run_of_the_models_own_class_and_sees_edits():
+    from asyncinterp.tools.scan import FakeForward, scan_run
+    torch.manual_seed(0)
+    net = MLP().eval()
+    model = ai.wrap(net)
+    run = scan_run(model)
+    assert isinstance(run, FakeForward) and isinstance(run, type(model.new_run()))
+    assert type(scan_run(model)) is type(run)             # one scan class per run class
+
+    async def ablate(m):
+        h = await m.layers[2].output
+        h[:] = 0
+
+    async def probe(m):
+        return type(await m.layers[2].output).__name__
+
+    assert model.edit(ablate).scan(torch.randn(2, 8), probe) == "FakeTensor"
+    assert model.trace(torch.randn(2, 8), probe) == "Tensor"   # the real run's class is untouched
+    assert hook_count(net) == 0
+
+
+def test_shapes_attribute_access():
+    model = ai.wrap(MLP().eval())
+    shapes = model.scan(torch.randn(2, 8), "layers.*")
+    assert shapes.layers[3].output == shapes["layers.3.output"]
+    with pytest.raises(AttributeError, match="the scan has nothing under 'layers.9'"):
+        shapes.layers[9]
+
+
 def test_scan_language_model_prompt():
     pytest.importorskip("asyncinterp.models.hf.language")
     from asyncinterp.models import tiny

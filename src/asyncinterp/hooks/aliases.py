@@ -25,7 +25,11 @@ other architectures with :func:`register` (for all models) or
 
 from __future__ import annotations
 
-__all__ = ["STANDARD", "register", "set_alias", "resolve", "standard_names"]
+import weakref
+
+from .modules import submodules
+
+__all__ = ["STANDARD", "register", "set_alias", "aliases_of", "copy_aliases", "resolve", "standard_names"]
 
 # standard name -> candidate relative paths, tried in order
 STANDARD: dict[str, list[str]] = {
@@ -58,26 +62,43 @@ def register(name: str, *paths: str) -> None:
             STANDARD[name].append(p)
 
 
+# root envoy -> {name: path}: the names set with set_alias on that wrapped model only
+_overrides: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def set_alias(model, name: str, path: str) -> None:
     """Make ``name`` resolve to ``path`` (relative to the root) on this wrapped model only."""
-    model._root.__dict__.setdefault("_alias_overrides", {})[name] = path
-    if _lookup(model._root, path) is None:
+    root = model.root
+    if _lookup(root, path) is None:
         raise ValueError(f"{path!r} is not a module path of this model")
+    _overrides.setdefault(root, {})[name] = path
+
+
+def aliases_of(model) -> dict:
+    """``{name: path}`` set with :func:`set_alias` on this wrapped model (a copy)."""
+    return dict(_overrides.get(model.root, {}))
+
+
+def copy_aliases(source, target) -> None:
+    """Give wrapped model ``target`` the per-model aliases of ``source`` (e.g. a copy made by ``model.edit``)."""
+    found = _overrides.get(source.root)
+    if found:
+        _overrides[target.root] = dict(found)
 
 
 def _lookup(envoy, path: str):
     e = envoy
     for part in path.split("."):
-        if part not in e._module._modules:
+        if part not in submodules(e.module):
             return None
-        e = e._child(part)
+        e = e.child(part)
     return e
 
 
 def resolve(envoy, name: str):
     """The envoy that standard name ``name`` means below ``envoy``, or ``None``."""
-    if envoy._parent is None:
-        override = envoy.__dict__.get("_alias_overrides", {}).get(name)
+    if _overrides and envoy.parent is None:
+        override = _overrides.get(envoy, {}).get(name)
         if override is not None:
             return _lookup(envoy, override)
     candidates = STANDARD.get(name)
@@ -95,27 +116,27 @@ def resolve(envoy, name: str):
 def standard_names(model) -> dict:
     """``{standard name: real path}`` for the model level and for its first layer (``layers.0.*``)."""
     out = {}
-    root = model._root
+    root = model.root
     for name in ("layers", "embed", "pos_embed", "final_norm", "lm_head"):
         e = _real_or_alias(root, name)
         if e is not None:
-            out[name] = e._path
+            out[name] = e.path
     layers = _real_or_alias(root, "layers")
     if layers is not None and len(layers):
         layer = layers[0]
         for name in ("attn", "mlp", "attn_norm", "mlp_norm"):
             e = _real_or_alias(layer, name)
             if e is not None:
-                out[f"layers.0.{name}"] = e._path
+                out[f"layers.0.{name}"] = e.path
                 for sub in ("out_proj", "up_proj", "down_proj"):
                     if (name == "attn") == (sub == "out_proj"):
                         s = _real_or_alias(e, sub)
                         if s is not None:
-                            out[f"layers.0.{name}.{sub}"] = s._path
+                            out[f"layers.0.{name}.{sub}"] = s.path
     return out
 
 
 def _real_or_alias(envoy, name):
-    if name in envoy._module._modules:
-        return envoy._child(name)
+    if name in submodules(envoy.module):
+        return envoy.child(name)
     return resolve(envoy, name)

@@ -22,6 +22,7 @@ the run (generation steps, a module called twice) gives a list in call order
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import re
 
@@ -30,7 +31,7 @@ import torch
 from ..kernel.scheduler import current_kernel, current_task
 from ..hooks.views import map_tensors
 
-__all__ = ["Cache", "cache"]
+__all__ = ["Cache", "KeyNode", "cache"]
 
 _POINT_NAMES = ("output", "input", "inputs")
 
@@ -62,16 +63,14 @@ class Cache:
         self.device = device
         self.clone = clone
         self.include_root = include_root
-        self._values = {}     # key -> [(step, value)]
-        self._order = []      # keys in first-firing order
+        self.recorded = {}    # key -> [(step, value), ...]; keys in first-firing order
 
     # ------------------------------------------------------------ recording
     async def __call__(self, m):
         kernel = current_kernel()
         run = kernel.host
         group = current_task().group
-        self._values = {}
-        self._order = []
+        self.recorded = {}
         selected = select(m, self.filter, self.include_root)
         if not selected:
             raise ValueError(f"the cache filter {self.filter!r} selects no module of this model")
@@ -82,7 +81,7 @@ class Cache:
         return self
 
     def _recorder(self, run, group, point):
-        path = point.envoy._path
+        path = point.envoy.path
         key = f"{path}.{point.name}" if path else point.name
         read = point.read if point.key is not point else None
         detach, device, clone = self.detach, self.device, self.clone
@@ -101,28 +100,27 @@ class Cache:
             if read is not None:
                 v = read(v)
             v = map_tensors(prepare, v)
-            entries = self._values.get(key)
+            entries = self.recorded.get(key)
             if entries is None:
-                self._values[key] = entries = []
-                self._order.append(key)
+                self.recorded[key] = entries = []
             entries.append((run.kernel.step, v))
         return record
 
     # -------------------------------------------------------------- reading
     def keys(self):
-        return list(self._order)
+        return list(self.recorded)
 
     def __iter__(self):
         return iter(self.keys())
 
     def __len__(self):
-        return len(self._order)
+        return len(self.recorded)
 
     def __contains__(self, key):
-        return key in self._values
+        return key in self.recorded
 
     def items(self):
-        return [(k, self[k]) for k in self._order]
+        return [(k, self[k]) for k in self.recorded]
 
     def all(self, key) -> list:
         """Every recorded value of ``key``, in call order."""
@@ -133,8 +131,8 @@ class Cache:
         return [s for s, _ in self._entries(key)]
 
     def __getitem__(self, key):
-        if isinstance(key, str) and key not in self._values and not key.endswith(_POINT_NAMES):
-            return _Node(self, key)
+        if isinstance(key, str) and key not in self.recorded and not key.endswith(_POINT_NAMES):
+            return KeyNode(self, key, "cache")
         entries = self._entries(key)
         if len(entries) == 1:
             return entries[0][1]
@@ -142,65 +140,73 @@ class Cache:
 
     def _entries(self, key):
         try:
-            return self._values[key]
+            return self.recorded[key]
         except KeyError:
-            close = [k for k in self._order if key in k][:5] or self._order[:5]
+            keys = list(self.recorded)
+            close = [k for k in keys if key in k][:5] or keys[:5]
             raise KeyError(f"{key!r} is not in this cache; keys look like {close}"
-                           + (" (the cache is empty: has it been run?)" if not self._order else "")) from None
+                           + (" (the cache is empty: has it been run?)" if not keys else "")) from None
 
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return _Node(self, name)[None] if name in self._values else _Node(self, name)
+        node = KeyNode(self, name, "cache")
+        return node[None] if name in self.recorded else node
 
     def step(self, step: int) -> "Cache":
         """A cache holding only the values recorded in generation step ``step``."""
-        out = Cache.__new__(Cache)
-        out.__dict__.update(self.__dict__)
-        out._values = {}
-        out._order = []
-        for k in self._order:
-            picked = [(s, v) for s, v in self._values[k] if s == step]
+        out = copy.copy(self)
+        out.recorded = {}
+        for k, entries in self.recorded.items():
+            picked = [(s, v) for s, v in entries if s == step]
             if picked:
-                out._values[k] = picked
-                out._order.append(k)
+                out.recorded[k] = picked
         return out
 
     def to_dict(self) -> dict:
-        return {k: self[k] for k in self._order}
+        return {k: self[k] for k in self.recorded}
 
     def __repr__(self):
-        if not self._order:
+        keys = list(self.recorded)
+        if not keys:
             return "<ai.Cache (empty)>"
-        lines = [f"<ai.Cache: {len(self._order)} points>"]
-        for k in self._order[:40]:
+        lines = [f"<ai.Cache: {len(keys)} points>"]
+        for k in keys[:40]:
             vals = self.all(k)
             lines.append(f"  {k}: {_describe(vals[0])}" + (f" x{len(vals)}" if len(vals) > 1 else ""))
-        if len(self._order) > 40:
-            lines.append(f"  ... {len(self._order) - 40} more")
+        if len(keys) > 40:
+            lines.append(f"  ... {len(keys) - 40} more")
         return "\n".join(lines)
 
 
-class _Node:
-    """Attribute/index access into a cache: ``cache.model.layers[3].output``."""
+class KeyNode:
+    """Attribute/index access into a table of dotted keys: ``cache.model.layers[3].output``.
 
-    __slots__ = ("_cache", "_prefix")
+    ``table`` is anything with ``key in table``, ``table[key]`` and iteration
+    over its keys (a :class:`Cache`, scan's ``Shapes``); ``what`` names it in
+    error messages. A node stands for a key prefix; stepping to a full key
+    gives that key's value, and ``node[None]`` the value of the prefix itself.
+    """
 
-    def __init__(self, cache, prefix):
-        self._cache = cache
+    __slots__ = ("_table", "_prefix", "_what")
+
+    def __init__(self, table, prefix: str, what: str):
+        self._table = table
         self._prefix = prefix
+        self._what = what
 
     def _sub(self, name):
+        table = self._table
         key = f"{self._prefix}.{name}" if self._prefix else str(name)
-        if key in self._cache._values:
-            return self._cache[key]
-        if not any(k.startswith(key + ".") for k in self._cache._order):
-            raise AttributeError(f"the cache has nothing under {key!r}; keys look like {self._cache._order[:5]}")
-        return _Node(self._cache, key)
+        if key in table:
+            return table[key]
+        if not any(k.startswith(key + ".") for k in table):
+            raise AttributeError(f"the {self._what} has nothing under {key!r}; keys look like {list(table)[:5]}")
+        return KeyNode(table, key, self._what)
 
     def __getitem__(self, index):
         if index is None:
-            return self._cache[self._prefix]
+            return self._table[self._prefix]
         return self._sub(index)
 
     def __getattr__(self, name):
@@ -209,8 +215,8 @@ class _Node:
         return self._sub(name)
 
     def __repr__(self):
-        keys = [k for k in self._cache._order if k.startswith(self._prefix + ".")]
-        return f"<cache entries under {self._prefix!r}: {len(keys)} keys>"
+        keys = [k for k in self._table if k.startswith(self._prefix + ".")]
+        return f"<{self._what} entries under {self._prefix!r}: {len(keys)} keys>"
 
 
 def _describe(v):
@@ -246,15 +252,15 @@ def select(model, spec, include_root: bool = False) -> list:
     from ..hooks.envoy import Envoy
     every = model.modules()
     if spec is None:
-        return [e for e in every if e._path or include_root]
+        return [e for e in every if e.path or include_root]
     if callable(spec) and not isinstance(spec, (str, Envoy)):
-        return [e for e in every if (e._path or include_root) and spec(e._path, e._module)]
+        return [e for e in every if (e.path or include_root) and spec(e.path, e.module)]
     specs = [spec] if isinstance(spec, (str, Envoy)) else list(spec)
     paths = set()
     patterns = []
     for s in specs:
         if isinstance(s, Envoy):
-            paths.add(s._path)
+            paths.add(s.path)
         elif isinstance(s, str):
             if any(c in s for c in "*?["):
                 patterns.append(_glob_regex(s))
@@ -262,13 +268,13 @@ def select(model, spec, include_root: bool = False) -> list:
                 paths.add(s)
         else:
             raise TypeError(f"a cache filter entry must be a path, a glob or an envoy, got {s!r}")
-    known = {e._path for e in every}
+    known = {e.path for e in every}
     missing = sorted(p for p in paths if p not in known)
     if missing:
         close = fnmatch.filter(sorted(known), "*" + missing[0].rsplit(".", 1)[-1] + "*")[:5]
         raise ValueError(f"cache filter names modules that do not exist: {missing}" +
                          (f"; similar paths: {close}" if close else ""))
-    return [e for e in every if e._path in paths or any(p.match(e._path) for p in patterns)]
+    return [e for e in every if e.path in paths or any(p.match(e.path) for p in patterns)]
 
 
 def cache(model, input, modules=None, **options) -> Cache:

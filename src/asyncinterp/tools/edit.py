@@ -18,18 +18,23 @@ steps (``async for _ in m.steps()``) and calls the edit once per step.
 from __future__ import annotations
 
 import copy
-import inspect
 
+from . import is_async_fn
+from ..hooks import aliases
 from ..hooks.envoy import Envoy
 from ..kernel.traps import PointTrap
+from ..run import check_intervention
 
 __all__ = ["edit", "remove_edits", "apply_edits"]
 
 
 def _check(fn):
-    if inspect.iscoroutine(fn) or not callable(fn):
-        raise TypeError(f"model.edit expects an `async def fn(m)` intervention, got {fn!r}")
-    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+    """``check_intervention``, stricter: an edit is re-run every step, so it must be an ``async def`` itself."""
+    try:
+        check_intervention(fn)
+    except TypeError as e:
+        raise TypeError(f"model.edit expects an `async def fn(m)` intervention: {e}") from None
+    if not is_async_fn(fn):
         raise TypeError(f"{getattr(fn, '__qualname__', fn)!r} is a plain function; an edit is an `async def fn(m)` "
                         "intervention like those passed to model.trace")
 
@@ -85,6 +90,7 @@ def clone(model):
     for k, v in list(vars(new).items()):
         if k not in ("_root", "_module", "run_lock", "_parent", "_children", "_points"):
             object.__setattr__(new, k, _reroot(v, model, new, memo))
+    aliases.copy_aliases(model, new)
     return new
 
 

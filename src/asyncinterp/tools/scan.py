@@ -28,15 +28,16 @@ scanned (a scan is one forward pass).
 
 from __future__ import annotations
 
-import inspect
+import weakref
 from typing import NamedTuple
 
 import torch
 
-from .cache import Cache
+from . import is_async_fn
+from .cache import Cache, KeyNode
 from ..hooks.views import map_tensors
 
-__all__ = ["ShapeInfo", "Shapes", "scan", "fake_mode"]
+__all__ = ["FakeForward", "ShapeInfo", "Shapes", "scan", "scan_run", "fake_mode"]
 
 
 class ShapeInfo(NamedTuple):
@@ -62,31 +63,7 @@ class Shapes(dict):
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return _ShapeNode(self, name)
-
-
-class _ShapeNode:
-    __slots__ = ("_shapes", "_prefix")
-
-    def __init__(self, shapes, prefix):
-        self._shapes = shapes
-        self._prefix = prefix
-
-    def _sub(self, name):
-        key = f"{self._prefix}.{name}"
-        if key in self._shapes:
-            return self._shapes[key]
-        if not any(k.startswith(key + ".") for k in self._shapes):
-            raise AttributeError(f"the scan has nothing under {key!r}")
-        return _ShapeNode(self._shapes, key)
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self._sub(name)
-
-    def __getitem__(self, index):
-        return self._sub(index)
+        return KeyNode(self, name, "scan")
 
 
 def _fmt(v):
@@ -109,6 +86,33 @@ def _info(t):
     return ShapeInfo(t.shape, t.dtype, t.device)
 
 
+class FakeForward:
+    """Mixin for a run class: the run's forward pass runs under :func:`fake_mode`.
+
+    It overrides the run's public ``execute(forward)``: the interventions start,
+    hook and finish as in any run; only the forward (and the intervention code
+    resumed inside it) sees fake tensors.
+    """
+
+    def execute(self, forward) -> None:
+        def fake_forward():
+            with fake_mode():
+                return forward()
+        super().execute(fake_forward)
+
+
+_scan_classes = weakref.WeakKeyDictionary()   # run class -> its FakeForward subclass
+
+
+def scan_run(model, **options):
+    """A run of ``model`` (of the class ``model.new_run`` makes) whose forward runs with fake tensors."""
+    base = type(model.new_run(**options))
+    cls = _scan_classes.get(base)
+    if cls is None:
+        cls = _scan_classes[base] = type(f"Scan{base.__name__}", (FakeForward, base), {})
+    return cls(model, **options)
+
+
 def scan(model, input, fn=None, modules=None, *, outputs: bool = True, inputs: bool = False, points=None,
          include_root: bool = False, **kwargs):
     """Run ``model`` on ``input`` with fake tensors (see module docs).
@@ -118,8 +122,7 @@ def scan(model, input, fn=None, modules=None, *, outputs: bool = True, inputs: b
     ``outputs``/``inputs``/``points`` select. A string or list as the second
     positional argument is taken as the module filter.
     """
-    if fn is not None and not (inspect.iscoroutinefunction(fn)
-                               or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+    if fn is not None and not is_async_fn(fn):
         if modules is not None:
             raise TypeError(f"scan(model, input, fn, modules): fn must be an `async def fn(m)`, got {fn!r}")
         fn, modules = None, fn  # scan(model, x, "layers.*"): a filter, not an intervention
@@ -128,17 +131,8 @@ def scan(model, input, fn=None, modules=None, *, outputs: bool = True, inputs: b
         cache = Cache(modules, outputs=outputs, inputs=inputs, points=points, detach=True,
                       include_root=include_root)
         fn = cache
-    run = model.new_run()
+    run = scan_run(model)
     inv = run.invoke(input, fn, **kwargs)
-    execute = run.execute
-
-    def fake_execute(forward):
-        def fake_forward():
-            with fake_mode():
-                return forward()
-        return execute(fake_forward)
-
-    run.execute = fake_execute
     run.run()
     result = inv.result
     if cache is None:
