@@ -26,7 +26,7 @@ from .kernel.errors import (
 )
 from .kernel.futures import Future
 from .model import Model, Trace, wrap
-from .run import Invoke, Run, RunStopped
+from .run import Invoke, LateBindingError, Run, RunStopped
 from .kernel.tasks import Steps, gather, spawn
 from .hooks.views import BatchLayout, Layout
 from .hooks.grad import GradPoint, backward
@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncInterpError", "BatchLayout", "Envoy", "ForeignAwaitError", "Future", "HookPoint", "Invoke",
-    "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
+    "LateBindingError", "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "Steps", "Trace", "UnsetFutureError",
     "gather", "in_loop", "point", "spawn", "wrap",
     "GradPoint", "backward", "Cache", "cache", "ShapeInfo", "Shapes", "scan",

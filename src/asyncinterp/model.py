@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from .hooks.batching import batch_inputs
+from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
 from .hooks.envoy import Envoy
 from .kernel.errors import NotInRunError
 from .kernel.scheduler import current_kernel, current_task
@@ -130,6 +130,10 @@ class Model(Envoy):
         args, kwargs, layout = batch_inputs([inv.input for inv in run.invokes])
         run.layout = layout
         module = self._module
+        extra = forward_kwargs(run.invokes)
+        if extra:
+            check_forward_kwargs(module, extra)
+            kwargs = {**kwargs, **extra}
         return lambda: module(*args, **kwargs)
 
     def execute(self, run):
@@ -183,6 +187,7 @@ class Model(Envoy):
         """
         run = self.new_run(on_error=on_error)
         if input is _NOTHING and not fns:
+            run.deferred = True   # invokes are added now and run at the end of the block
             return run
         inv = run.invoke(None if input is _NOTHING else input, *fns, **kwargs)
         run.run()

@@ -9,7 +9,9 @@ reference it took before it returns.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 import weakref
 
 import torch
@@ -31,7 +33,9 @@ from .hooks.modules import (
     submodules,
 )
 from .hooks.views import Layout, check_replacement
+from .kernel.futures import Future
 from .kernel.scheduler import Kernel
+from .kernel.traps import PointTrap
 
 
 class StopForward(BaseException):
@@ -41,6 +45,10 @@ class StopForward(BaseException):
     cancellation); ``Run.execute`` catches it. Hosts that drive the forward
     themselves (vLLM's worker) catch it around their own hooks.
     """
+
+
+class LateBindingError(AsyncInterpError):
+    """A variable an intervention closes over was rebound between ``run.invoke`` and the run."""
 
 
 class RunStopped(AsyncInterpError):
@@ -192,6 +200,7 @@ class Run:
         self.stop_per_invoke = stop_per_invoke   # m.stop() ends only the caller's invoke (serving)
         self.stopped_invokes = set()       # invokes that called m.stop() under stop_per_invoke
         self.context = {}                  # values for this run's interventions and tools (serving: requests)
+        self.deferred = False              # invokes are added now and run later (`with model.trace() as run`)
         self.invokes = []
         self.kernel = None
         self.done = False
@@ -212,11 +221,19 @@ class Run:
     # ------------------------------------------------------------- building
     def invoke(self, input=None, *fns, **kwargs) -> Invoke:
         """Add an input (``None``: the invoke sees the whole batch) and its interventions."""
-        if callable(input) and not fns and not isinstance(input, torch.Tensor) and _is_async_fn(input):
+        if callable(input) and not fns and not isinstance(input, torch.Tensor) and is_async_fn(input):
             input, fns = None, (input,)
         for fn in fns:
             check_intervention(fn)
+        for name, v in kwargs.items():
+            if inspect.iscoroutine(v) or (callable(v) and is_async_fn(v)):
+                raise TypeError(
+                    f"keyword argument {name}={_fn_name(v)} looks like an intervention, but keyword arguments go "
+                    "to the model's forward; pass interventions positionally: model.trace(x, fn) / "
+                    "run.invoke(x, fn)")
         inv = Invoke(self, len(self.invokes), input, fns, kwargs)
+        if self.deferred:
+            inv.closures = [c for fn in fns for c in _bound_names(fn)]
         self.invokes.append(inv)
         return inv
 
@@ -511,6 +528,8 @@ class Run:
         (vLLM's worker) call it, then ``begin_step``/``end_invoke``, then
         ``finish`` and ``cleanup``.
         """
+        for inv in self.invokes:
+            _check_closures(inv)
         kernel = self.kernel = Kernel(self, self.on_error)
         model = self.model
         for inv in self.invokes:
@@ -575,9 +594,14 @@ class Run:
     def finished(self) -> None:
         """Mark the run and its invokes done; raise the interventions' failures (``on_error="stop"``)."""
         self.done = True
+        kernel = self.kernel
         for inv in self.invokes:
             inv.finish()
-        kernel = self.kernel
+            for task in inv.tasks:
+                if task.done and not task.closed and task.exc is None and _forgot_await(task.result):
+                    task.exc = _forgot_await_error(task, task.result)
+                    if kernel is not None:
+                        kernel.failures.append(task.exc)
         failures = kernel.failures if kernel is not None else ()
         if failures and self.on_error == "stop":
             self._raise(failures)
@@ -606,6 +630,94 @@ class Run:
         raise ExceptionGroup(f"{len(failures)} interventions failed", list(failures))
 
 
+def _bound_names(fn):
+    """``(function, name, read, value)`` for each closure variable and global ``fn`` reads, as bound now.
+
+    ``read()`` gives the variable's value when called later. Names that hold
+    modules, classes and functions are left out (rebinding those is not the
+    loop-variable mistake this guards against).
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ()
+    out = []
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:   # not bound yet
+            continue
+        if not _is_definition(value):
+            out.append((fn, name, functools.partial(_cell_value, cell), value))
+    glob = fn.__globals__
+    for name in _global_names(code):
+        if name in glob and not _is_definition(glob[name]):
+            out.append((fn, name, functools.partial(glob.get, name, _UNBOUND), glob[name]))
+    return out
+
+
+def _global_names(code):
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):   # comprehensions, nested functions
+            names |= _global_names(const)
+    return names
+
+
+def _is_definition(value) -> bool:
+    return isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType))
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _UNBOUND
+
+
+def _check_closures(inv) -> None:
+    for fn, name, read, value in getattr(inv, "closures", ()):
+        now = read()
+        if now is not value:
+            raise LateBindingError(
+                f"intervention {_fn_name(fn)} of invoke {inv.index} uses the variable {name!r}, which was "
+                f"{_short(value)} when the invoke was added and is {_short(now)} now that the run starts: "
+                "Python closures see a variable's latest value (a loop variable ends at its last value), so "
+                "every invoke would use the same one. Bind it when adding the invoke: "
+                f"`async def fn(m, {name}={name}): ...` or functools.partial(fn, {name}={name}).")
+
+
+_UNBOUND = object()
+
+
+def _short(value) -> str:
+    if value is _UNBOUND:
+        return "unbound"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _forgot_await(value) -> bool:
+    if isinstance(value, (PointTrap, Future)) or inspect.iscoroutine(value):
+        return True
+    if type(value) in (tuple, list):
+        return any(isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v) for v in value)
+    return False
+
+
+def _forgot_await_error(task, value) -> TypeError:
+    items = value if type(value) in (tuple, list) else (value,)
+    for v in items:
+        if inspect.iscoroutine(v):
+            v.close()   # no "never awaited" warning on top of this error
+    what = ", ".join(repr(v) for v in items if isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v))
+    return TypeError(
+        f"intervention {task.name!r} returned {what} instead of its value: an `await` is missing "
+        "(write `return await m.x.output`, not `return m.x.output`)")
+
+
 class _ForwardRestore:
     """A handle that restores a module's ``forward`` attribute (for skip)."""
 
@@ -619,7 +731,8 @@ class _ForwardRestore:
         set_instance_forward(self.module, self.original)
 
 
-def _is_async_fn(fn) -> bool:
+def is_async_fn(fn) -> bool:
+    """True for an ``async def`` function (or an object whose ``__call__`` is one)."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
@@ -651,7 +764,7 @@ def _check_intervention_once(fn) -> None:
             "or wrap arguments with functools.partial / a lambda returning a coroutine")
     if not callable(fn):
         raise TypeError(f"an intervention must be an `async def` function taking the model envoy, got {fn!r}")
-    if not _is_async_fn(fn) and not _returns_coroutine_hint(fn):
+    if not is_async_fn(fn) and not _returns_coroutine_hint(fn):
         raise TypeError(
             f"{_fn_name(fn)} is a plain function; interventions must be `async def` functions taking the model "
             "envoy (`async def fn(m): h = await m.layer.output`)")
@@ -659,8 +772,7 @@ def _check_intervention_once(fn) -> None:
 
 def _returns_coroutine_hint(fn) -> bool:
     # functools.partial of an async function, or a lambda returning a coroutine: allowed, checked when called
-    import functools
     if isinstance(fn, functools.partial):
-        return _is_async_fn(fn.func) or _returns_coroutine_hint(fn.func)
+        return is_async_fn(fn.func) or _returns_coroutine_hint(fn.func)
     return getattr(fn, "__name__", "") == "<lambda>"
 

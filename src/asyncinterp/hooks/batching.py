@@ -10,6 +10,8 @@ replace this with their own batcher.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .views import BatchLayout, Layout
@@ -95,3 +97,43 @@ def _batch_tensors(inputs):
         shapes = ", ".join(str(tuple(p.shape)) for p in parts)
         raise ValueError(f"cannot batch invoke inputs: shapes {shapes} differ beyond dim 0") from exc
     return (batched,), {}, BatchLayout(spans, start)
+
+
+def forward_kwargs(invokes) -> dict:
+    """The forward keyword arguments given with the invokes (``run.invoke(x, fn, scale=2.0)``).
+
+    Invokes batched into one forward must agree on them (same names, equal
+    values); invokes without input and without keywords do not count.
+    """
+    merged = None
+    for inv in invokes:
+        if inv.input is None and not inv.kwargs:
+            continue
+        if merged is None:
+            merged = dict(inv.kwargs)
+        elif set(merged) != set(inv.kwargs) or any(merged[k] is not inv.kwargs[k] and merged[k] != inv.kwargs[k]
+                                                     for k in merged):
+            raise ValueError("invokes batched in one run must pass the same forward keyword arguments; "
+                             f"got {sorted(merged)} and {sorted(inv.kwargs)}")
+    return merged or {}
+
+
+def check_forward_kwargs(module, kwargs: dict) -> None:
+    """Raise a clear ``TypeError`` if ``module.forward`` cannot take these keyword arguments."""
+    if not kwargs:
+        return
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items()
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise TypeError(
+            f"{type(module).__name__}.forward takes no keyword argument(s) {unknown}: keyword arguments of "
+            f"trace/invoke go to the model's forward (it accepts {accepted}); pass interventions positionally, "
+            "e.g. model.trace(x, fn)")
