@@ -39,7 +39,6 @@ import ipaddress
 import time
 import uuid
 
-import anyio
 import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -47,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import aio
 from . import wire
 from .batcher import Batcher, BatcherClosed, BatcherFull
 from .params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401 (re-exported)
@@ -376,27 +376,34 @@ class Server:
         log.info(kind, extra={"fields": fields})
         return response
 
-    async def _until_disconnect(self, request, fn):
+    async def _until_disconnect(self, request, fn) -> aio.Watched:
         """Run ``fn()``; if the client disconnects first, cancel it (its request is cancelled in the batcher)."""
-        outcome = {}
 
-        async def watch(scope):
+        async def disconnected():
             while True:
                 message = await request.receive()
                 if message.get("type") == "http.disconnect":
-                    outcome["disconnected"] = True
-                    scope.cancel()
                     return
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch, tg.cancel_scope)
-            try:
-                outcome["value"] = await fn()
-            except _INTERVENTION_ERRORS as exc:   # incl. SystemExit etc. raised by an intervention
-                outcome["exc"] = exc
-            finally:
-                tg.cancel_scope.cancel()
-        return outcome
+        # an intervention may raise even SystemExit etc.: caught, it comes back in .exc
+        return await aio.run_watched(fn, disconnected, catch=_INTERVENTION_ERRORS)
+
+    async def _respond(self, request, fields, call, answer) -> Response:
+        """Await ``call()`` unless the client disconnects (499); ``answer(value)`` as the msgpack response."""
+        try:
+            outcome = await self._until_disconnect(request, call)
+        except BatcherFull as exc:
+            raise self._run_error(exc, fields) from None
+        if outcome.stopped:
+            fields["disconnected"] = True
+            return Response(status_code=499)
+        if outcome.exc is not None:
+            raise self._run_error(outcome.exc, fields)
+        try:
+            body = wire.packb(answer(outcome.value))
+        except wire.WireError as exc:
+            raise _Fail(422, "intervention", exc) from None
+        return Response(body, media_type=MSGPACK)
 
     def _run_error(self, exc, fields) -> _Fail:
         if isinstance(exc, BatcherFull):
@@ -446,21 +453,8 @@ class Server:
             timeout = self._timeout(obj)
             fn, on_cancel, label = self._intervention(obj.get("intervention"), time.monotonic() + timeout)
             fields["intervention"] = label
-            try:
-                call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel)
-                outcome = await self._until_disconnect(request, call)
-            except BatcherFull as exc:
-                raise self._run_error(exc, fields) from None
-            if outcome.get("disconnected"):
-                fields["disconnected"] = True
-                return Response(status_code=499)
-            if "exc" in outcome:
-                raise self._run_error(outcome["exc"], fields)
-            try:
-                body = wire.packb({"ok": True, "result": outcome["value"]})
-            except wire.WireError as exc:
-                raise _Fail(422, "intervention", exc) from None
-            return Response(body, media_type=MSGPACK)
+            call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel)
+            return await self._respond(request, fields, call, lambda value: {"ok": True, "result": value})
         return await self._guarded(request, "trace", work)
 
     async def _generate(self, request):
@@ -496,24 +490,13 @@ class Server:
                     raise self._run_error(exc, fields) from None
                 fields["stream"] = True
                 return StreamingResponse(self._stream(events), media_type=MSGPACK_STREAM)
-            try:
-                call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
-                                         on_cancel=on_cancel)
-                outcome = await self._until_disconnect(request, call)
-            except BatcherFull as exc:
-                raise self._run_error(exc, fields) from None
-            if outcome.get("disconnected"):
-                fields["disconnected"] = True
-                return Response(status_code=499)
-            if "exc" in outcome:
-                raise self._run_error(outcome["exc"], fields)
-            g = outcome["value"]
-            try:
-                body = wire.packb({"ok": True, "result": g.result, "tokens": g.tokens, "text": g.text,
-                                   "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted]})
-            except wire.WireError as exc:
-                raise _Fail(422, "intervention", exc) from None
-            return Response(body, media_type=MSGPACK)
+            call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
+                                     on_cancel=on_cancel)
+
+            def answer(g):
+                return {"ok": True, "result": g.result, "tokens": g.tokens, "text": g.text,
+                        "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted]}
+            return await self._respond(request, fields, call, answer)
         return await self._guarded(request, "generate", work)
 
     async def _stream(self, events):
