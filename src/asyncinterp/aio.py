@@ -1,16 +1,30 @@
 """The bridge to async applications (asyncio, trio, Jupyter): the only place that imports anyio.
 
+(It is also the only place that imports sniffio, asyncio or trio: the rest of
+asyncinterp, serving included, uses the functions here.)
+
 ``atrace`` runs the forward in a worker thread so the event loop stays free.
 Cancelling the awaiting task (``anyio.fail_after``, ``asyncio.wait_for``,
 trio cancel scopes) asks the run to stop at its next hook point; the awaiting
 task returns only after the forward has unwound and every hook is removed,
 so the model is left exactly as before. ``in_loop`` lets an intervention call
 back into the event loop from inside the forward.
+
+What serving needs (:mod:`asyncinterp.serve`):
+
+* :func:`current_library` — ``"asyncio"`` or ``"trio"``: the library running the calling task;
+* :class:`LoopHandle` — thread-safe ``call_soon`` into the calling task's event loop, and its events;
+* :class:`Mailbox` — items put from any thread, awaited in the event loop that made it;
+* :func:`fail_at` — raise ``TimeoutError`` at a ``time.monotonic()`` deadline (``None``: never);
+* :func:`to_thread` — await a blocking call run in a worker thread;
+* :func:`run_watched` — await ``fn()`` while a watcher runs beside it; the watcher returning first cancels it.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
+import time
 
 import anyio
 import anyio.from_thread
@@ -64,3 +78,131 @@ def in_loop(fn, *args):
                     "(or agenerate), not under the synchronous model.trace(...)") from exc
             raise
     return trap(CallTrap(call))
+
+
+# --------------------------------------------------------------------------- primitives for serving
+def current_library() -> str:
+    """The async library running the calling task: ``"asyncio"`` or ``"trio"`` (as sniffio names them)."""
+    import sniffio
+    return sniffio.current_async_library()
+
+
+class LoopHandle:
+    """The event loop of the task that made it: a thread-safe ``call_soon`` and the loop's own ``Event``.
+
+    ``call_soon(fn)`` may be called from any thread; ``fn()`` then runs in the
+    loop. Once the loop has finished, ``call_soon`` does nothing (nobody is
+    waiting any more). Works under asyncio and trio.
+    """
+
+    __slots__ = ("call_soon", "new_event", "backend")
+
+    def __init__(self):
+        backend = current_library()
+        self.backend = backend
+        if backend == "asyncio":
+            import asyncio
+            loop = asyncio.get_running_loop()
+
+            def call_soon(fn):
+                try:
+                    loop.call_soon_threadsafe(fn)
+                except RuntimeError:  # the loop is closed: nobody is waiting any more
+                    pass
+            self.call_soon = call_soon
+            self.new_event = asyncio.Event
+        elif backend == "trio":
+            import trio
+            token = trio.lowlevel.current_trio_token()
+
+            def call_soon(fn):
+                try:
+                    token.run_sync_soon(fn)
+                except trio.RunFinishedError:
+                    pass
+            self.call_soon = call_soon
+            self.new_event = trio.Event
+        else:  # pragma: no cover
+            raise RuntimeError(f"asyncinterp supports asyncio and trio, not {backend}")
+
+
+class Mailbox:
+    """Items put from any thread (``put``), awaited in the event loop that made the mailbox (``await get()``)."""
+
+    __slots__ = ("loop", "items", "event")
+
+    def __init__(self, loop: LoopHandle | None = None):
+        self.loop = loop or LoopHandle()
+        self.items = collections.deque()
+        self.event = None
+
+    def put(self, item) -> None:  # any thread
+        self.items.append(item)
+        self.loop.call_soon(self.wake)
+
+    def wake(self) -> None:  # in the loop
+        ev = self.event
+        if ev is not None:
+            ev.set()
+
+    async def get(self):
+        while not self.items:
+            self.event = self.loop.new_event()
+            if self.items:
+                break
+            await self.event.wait()
+        return self.items.popleft()
+
+
+def fail_at(deadline: float | None):
+    """Context manager: raise ``TimeoutError`` in the block at ``deadline`` (``time.monotonic()`` seconds).
+
+    ``None``: no limit. A deadline already past raises at the block's first wait.
+    """
+    return anyio.fail_after(None if deadline is None else max(deadline - time.monotonic(), 0))
+
+
+async def to_thread(fn, *args):
+    """``fn(*args)`` in a worker thread; the event loop stays free meanwhile."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+class Watched:
+    """What :func:`run_watched` found: ``stopped`` (the watcher returned first), else ``value`` or ``exc``."""
+
+    __slots__ = ("stopped", "value", "exc")
+
+    def __init__(self):
+        self.stopped = False
+        self.value = None
+        self.exc = None
+
+
+async def run_watched(fn, watch, catch=(Exception,)) -> Watched:
+    """Await ``fn()`` while ``watch()`` runs beside it; whichever ends first cancels the other.
+
+    If ``watch()`` returns first, ``fn()`` is cancelled and the answer has
+    ``stopped=True``. Otherwise it has ``fn()``'s ``value``, or in ``exc``
+    the exception of a ``catch`` type that ``fn()`` raised (caught inside the
+    task group, so it comes back as raised, not in an exception group).
+    """
+    out = Watched()
+
+    async def watcher(scope):
+        await watch()
+        out.stopped = True
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watcher, tg.cancel_scope)
+        try:
+            out.value = await fn()
+        except catch as exc:
+            out.exc = exc
+        finally:
+            tg.cancel_scope.cancel()
+    return out
+
+
+__all__ = ["LoopHandle", "Mailbox", "Watched", "current_library", "fail_at", "in_loop", "run_in_thread",
+           "run_watched", "to_thread"]

@@ -17,7 +17,10 @@ from .wire import RemoteError, WireError
 
 def __getattr__(name):
     # the HTTP parts need starlette/httpx (the `serve` extra): imported on first use
-    if name in ("Server", "Param", "Range", "serve_app"):
+    if name in ("Param", "Range", "MaxLen", "ModulePath"):
+        from . import params
+        return getattr(params, name)
+    if name in ("Server", "serve_app"):
         from . import app
         return getattr(app, name)
     if name in ("Client", "AsyncClient"):
@@ -26,5 +29,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'asyncinterp.serve' has no attribute {name!r}")
 
 
-__all__ = ["AsyncClient", "Batcher", "BatcherClosed", "BatcherFull", "Client", "GenerateResult", "Param",
-           "Range", "RemoteError", "Server", "WireError", "emit"]
+__all__ = ["AsyncClient", "Batcher", "BatcherClosed", "BatcherFull", "Client", "GenerateResult", "MaxLen",
+           "ModulePath", "Param", "Range", "RemoteError", "Server", "WireError", "emit"]

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import aio
 from ..kernel.errors import RunCancelled
 from ..kernel.scheduler import current_kernel, current_task
 
@@ -61,68 +62,6 @@ class GenerateResult:
     emitted: list = field(default_factory=list)   # values the intervention emitted, in order
 
 
-# --------------------------------------------------------------------------- waking an event loop from the worker
-class _Loop:
-    """Thread-safe ``call_soon`` into the event loop that made the request (asyncio or trio)."""
-
-    __slots__ = ("call_soon", "new_event", "backend")
-
-    def __init__(self):
-        import sniffio
-        backend = sniffio.current_async_library()
-        self.backend = backend
-        if backend == "asyncio":
-            import asyncio
-            loop = asyncio.get_running_loop()
-
-            def call_soon(fn):
-                try:
-                    loop.call_soon_threadsafe(fn)
-                except RuntimeError:  # the loop is closed: nobody is waiting any more
-                    pass
-            self.call_soon = call_soon
-            self.new_event = asyncio.Event
-        elif backend == "trio":
-            import trio
-            token = trio.lowlevel.current_trio_token()
-
-            def call_soon(fn):
-                try:
-                    token.run_sync_soon(fn)
-                except trio.RunFinishedError:
-                    pass
-            self.call_soon = call_soon
-            self.new_event = trio.Event
-        else:  # pragma: no cover
-            raise RuntimeError(f"Batcher supports asyncio and trio, not {backend}")
-
-
-class _Mailbox:
-    """Items pushed from the worker thread, awaited in the request's event loop."""
-
-    def __init__(self, loop: _Loop):
-        self._loop = loop
-        self._items = collections.deque()
-        self._event = None
-
-    def put(self, item) -> None:  # any thread
-        self._items.append(item)
-        self._loop.call_soon(self._wake)
-
-    def _wake(self):  # in the loop
-        ev = self._event
-        if ev is not None:
-            ev.set()
-
-    async def get(self):
-        while not self._items:
-            self._event = self._loop.new_event()
-            if self._items:
-                break
-            await self._event.wait()
-        return self._items.popleft()
-
-
 # --------------------------------------------------------------------------- requests
 _ids = itertools.count(1)
 
@@ -131,7 +70,7 @@ class _Request:
     __slots__ = ("id", "kind", "input", "fns", "kwargs", "gen", "max_new_tokens", "key", "arrival", "state",
                  "invoke", "lock", "mailbox", "on_cancel", "tokens", "streamed", "emitted", "stream", "finished")
 
-    def __init__(self, kind, input, fns, kwargs, loop, key, gen=None, max_new_tokens=None, on_cancel=None,
+    def __init__(self, kind, input, fns, kwargs, key, gen=None, max_new_tokens=None, on_cancel=None,
                  stream=False):
         self.id = next(_ids)
         self.kind = kind
@@ -145,7 +84,7 @@ class _Request:
         self.state = "queued"        # queued -> running -> done | cancelled
         self.invoke = None
         self.lock = threading.Lock()
-        self.mailbox = _Mailbox(loop)
+        self.mailbox = aio.Mailbox()   # made in the requesting task's event loop
         self.on_cancel = on_cancel
         self.tokens = None           # generation: per row, the ids generated so far
         self.streamed = 0
@@ -181,6 +120,34 @@ class _Request:
     def event(self, item) -> None:
         if self.state != "cancelled":
             self.mailbox.put(("event", True, item))
+
+    def finish_generation(self, tokenizer, early=False) -> None:
+        """Deliver this generation request's result: its value, tokens and text (``early``: it left the run)."""
+        if self.finished:
+            return
+        try:
+            value = self.invoke.value() if early else self.invoke.result
+        except BaseException as exc:  # noqa: BLE001
+            self.deliver(False, exc)
+            return
+        rows = self.tokens or [[]]
+        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+        self.stream_tokens(tokenizer, final=True)
+        single = len(rows) == 1
+        self.deliver(True, GenerateResult(value, rows[0] if single else rows, texts[0] if single else texts,
+                                          list(self.emitted)))
+
+    def stream_tokens(self, tokenizer, final=False) -> None:
+        """A streaming request: send a ``token`` event for each token generated since the last call."""
+        if not self.stream or self.tokens is None or len(self.tokens) != 1:
+            return
+        row = self.tokens[0]
+        while self.streamed < len(row):
+            i = self.streamed
+            prev = tokenizer.decode(row[:i], skip_special_tokens=True)
+            now = tokenizer.decode(row[:i + 1], skip_special_tokens=True)
+            self.event({"event": "token", "step": i, "token": row[i], "text": now[len(prev):]})
+            self.streamed += 1
 
     # loop side ---------------------------------------------------------------
     def cancel(self) -> None:
@@ -359,8 +326,7 @@ class Batcher:
             t.join(timeout)
 
     async def aclose(self) -> None:
-        import anyio
-        await anyio.to_thread.run_sync(self.close)
+        await aio.to_thread(self.close)
 
     def __enter__(self):
         return self
@@ -383,7 +349,7 @@ class Batcher:
             key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
         else:
             key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
-        req = _Request(kind, input, fns, kwargs, _Loop(), key, gen, max_new_tokens, on_cancel, stream)
+        req = _Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream)
         self._submit(req)
         return req
 
@@ -426,24 +392,24 @@ class Batcher:
         return None if timeout is None else time.monotonic() + timeout
 
     async def _wait(self, req, timeout):
-        import anyio
         deadline = self._deadline(timeout)
         try:
-            with anyio.fail_after(None if deadline is None else max(deadline - time.monotonic(), 0)):
+            with aio.fail_at(deadline):
                 while True:
                     kind, ok, value = await req.mailbox.get()
                     if kind == "done":
                         break
         except BaseException:
             req.cancel()
-            self._unqueue(req)
+            self.unqueue(req)
             self.stats["cancelled"] += 1
             raise
         if not ok:
             raise value
         return value
 
-    def _unqueue(self, req):
+    def unqueue(self, req) -> None:
+        """Take a (cancelled) request out of the queue, if it is still there."""
         with self._cond:
             try:
                 self._pending.remove(req)
@@ -573,7 +539,7 @@ class Batcher:
             if generating:
                 if native and r.tokens is None:
                     r.tokens = [list(r.invoke.token_ids)]
-                self._finish_generation(run, r)
+                r.finish_generation(model.tokenizer)
             else:
                 try:
                     value = r.invoke.result
@@ -581,42 +547,6 @@ class Batcher:
                     r.deliver(False, exc)
                 else:
                     r.deliver(True, value)
-
-    # ------------------------------------------------------------------ generation bookkeeping
-    def _eos_ids(self):
-        cfg = getattr(self.model._module, "generation_config", None)
-        eos = getattr(cfg, "eos_token_id", None)
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-    def _finish_generation(self, run, r, early=False):
-        if r.finished:
-            return
-        try:
-            value = r.invoke.value() if early else r.invoke.result
-        except BaseException as exc:  # noqa: BLE001
-            r.deliver(False, exc)
-            return
-        tok = self.model.tokenizer
-        rows = r.tokens or [[]]
-        texts = [tok.decode(row, skip_special_tokens=True) for row in rows]
-        self._stream_tokens(r, final=True)
-        single = len(rows) == 1
-        r.deliver(True, GenerateResult(value, rows[0] if single else rows, texts[0] if single else texts,
-                                       list(r.emitted)))
-
-    def _stream_tokens(self, r, final=False):
-        if not r.stream or r.tokens is None or len(r.tokens) != 1:
-            return
-        row = r.tokens[0]
-        tok = self.model.tokenizer
-        while r.streamed < len(row):
-            i = r.streamed
-            prev = tok.decode(row[:i], skip_special_tokens=True)
-            now = tok.decode(row[:i + 1], skip_special_tokens=True)
-            r.event({"event": "token", "step": i, "token": row[i], "text": now[len(prev):]})
-            r.streamed += 1
 
 
 class GenerationStream:
@@ -632,13 +562,11 @@ class GenerationStream:
         return self
 
     async def __anext__(self):
-        import anyio
         if self._done:
             raise StopAsyncIteration
         req = self._req
-        deadline = self._deadline
         try:
-            with anyio.fail_after(None if deadline is None else max(deadline - time.monotonic(), 0)):
+            with aio.fail_at(self._deadline):
                 kind, ok, value = await req.mailbox.get()
         except BaseException:
             await self.aclose()
@@ -654,13 +582,21 @@ class GenerationStream:
         """Stop listening; cancels the request if it has not finished."""
         self._done = True
         self._req.cancel()
-        self._batcher._unqueue(self._req)
+        self._batcher.unqueue(self._req)
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
         await self.aclose()
+
+
+def _eos_ids(model):
+    cfg = getattr(model.module, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 class _GenerationWatch:
@@ -673,9 +609,10 @@ class _GenerationWatch:
     """
 
     def __init__(self, batcher, run, requests):
-        self.batcher = batcher
         self.run = run
         self.requests = requests
+        self.tokenizer = batcher.model.tokenizer
+        self.eos = _eos_ids(batcher.model)
         self.__qualname__ = self.__name__ = "serve-generation-watch"
 
     async def __call__(self, m):
@@ -687,7 +624,7 @@ class _GenerationWatch:
         run = self.run
         kernel = run.kernel
         batch = run.batch
-        eos = self.batcher._eos_ids()
+        eos = self.eos
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         for idx, r in self.requests.items():
             if r.finished or idx in kernel.ended:
@@ -698,7 +635,7 @@ class _GenerationWatch:
                 r.tokens = [[] for _ in rows]
             if idx in run.stopped_invokes:   # m.stop() during this step: like a stopped run, no token from it
                 kernel.end_group(idx)
-                self.batcher._finish_generation(run, r, early=True)
+                r.finish_generation(self.tokenizer, early=True)
                 continue
             done_rows = 0
             for row_tokens, t in zip(r.tokens, rows):
@@ -709,8 +646,8 @@ class _GenerationWatch:
                     row_tokens.append(int(t))
                 if int(t) in eos or len(row_tokens) >= r.max_new_tokens:
                     done_rows += 1
-            self.batcher._stream_tokens(r)
+            r.stream_tokens(self.tokenizer)
             if done_rows == len(r.tokens) and r.state != "cancelled":
                 kernel.end_group(idx)
                 if all(t.done for t in r.invoke.tasks):
-                    self.batcher._finish_generation(run, r, early=True)
+                    r.finish_generation(self.tokenizer, early=True)

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import torch
 
-from .app import MaxLen, ModulePath, Range  # noqa: F401  (MaxLen: for users copying these)
+from .params import MaxLen, ModulePath, Range  # noqa: F401  (MaxLen: for users copying these)
 
 
 def _first_tensor(value):

@@ -15,7 +15,6 @@ named interventions). API keys come from ``--api-key`` (repeatable) or the
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
@@ -62,15 +61,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", help="log level (default info)")
     p.add_argument("--allow-non-loopback", action="store_true",
                    help="allow binding a non-loopback address (put TLS and a real auth layer in front!)")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_model(name: str, cache_dir=None):
@@ -132,6 +122,7 @@ def setup_logging(fmt: str, level: str) -> None:
 
 
 def run(args) -> int:
+    from .app import Server, is_loopback
     if not is_loopback(args.host) and not args.allow_non_loopback:
         print(f"asyncinterp serve: refusing to bind {args.host!r}: only loopback addresses (127.0.0.1, ::1, "
               "localhost) unless --allow-non-loopback", file=sys.stderr)
@@ -145,7 +136,6 @@ def run(args) -> int:
     keys = list(args.api_key) + [k.strip() for k in os.environ.get("ASYNCINTERP_API_KEYS", "").split(",") if k.strip()]
     log = logging.getLogger("asyncinterp.serve")
     model = load_model(args.model, args.cache_dir)
-    from .app import Server
     server = Server(model, api_keys=keys, allow_code=args.allow_code, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
                     max_body_bytes=args.max_body_bytes, max_new_tokens=args.max_new_tokens, exact=args.exact,

@@ -48,6 +48,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from ..hooks.modules import submodules
+
 MAX_SOURCE_CHARS = 20_000
 MAX_AST_NODES = 5_000
 MAX_NESTING = 60
@@ -474,6 +476,9 @@ _MODULES_LOCK = threading.Lock()
 
 
 def _build_modules():
+    # torch's native functions: a torch-internal read, kept on purpose. No public torch API lists exactly this
+    # set (torch.overrides.get_overridable_functions() lacks e.g. arange, as_tensor and the in-place abs_ ...,
+    # so the sandbox's torch would change); dir(torch) would let in far more than functions.
     vf = {n for n in dir(torch._C._VariableFunctions) if not n.startswith("_")}
     t = {}
     for name in sorted(vf | set(_TORCH_PY_EXTRAS)):
@@ -649,7 +654,7 @@ class SafeEnvoy:
         root = object.__getattribute__(self, "_root")
         if name.startswith("_"):
             raise AttributeError(name)
-        if name in envoy._module._modules:
+        if name in submodules(envoy.module):
             return SafeEnvoy(envoy.child(name), False)
         if name in self._points():
             return SafePoint(getattr(envoy, name))
@@ -661,7 +666,7 @@ class SafeEnvoy:
             return getattr(envoy, name)
         raise AttributeError(
             f"{envoy.path or 'the model'} has no submodule or hook point {name!r} available to submitted code "
-            f"(submodules: {', '.join(list(envoy._module._modules)[:12]) or 'none'})")
+            f"(submodules: {', '.join(list(submodules(envoy.module))[:12]) or 'none'})")
 
     def __setattr__(self, name, value):
         envoy = object.__getattribute__(self, "_envoy")
