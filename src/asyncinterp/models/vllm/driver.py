@@ -324,6 +324,8 @@ class VLLMRun(Trace):
             outcomes, failures = back if back is not None else ([[] for _ in invokes], [])
             for inv, tasks in zip(invokes, outcomes):
                 inv.tasks = tasks
+            for inv in invokes:
+                inv.done = True      # Invoke.result reads it (Run.finished is not called on this path)
         if cancelled and self.cancelled:
             raise RunCancelled("the run was cancelled; the engine stopped after its current step, the requests "
                                "were aborted and every hook was removed")
@@ -595,6 +597,13 @@ class VLLM(GeneratingModel, VLLMRoot):
 
     def __exit__(self, *exc):
         self.close()
+
+    def __copy__(self):
+        """A shallow copy sharing the engine (``model.edit`` clones the root envoy); pickling stays refused."""
+        new = object.__new__(type(self))
+        for name, value in vars(self).items():
+            object.__setattr__(new, name, value)
+        return new
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
