@@ -456,4 +456,4 @@ def test_no_references_left_after_many_generations(lm):
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
     assert hook_count(lm.module) == 0
-    assert all(hook_count(p.envoy.module) == 0 for p in lm._taps.values())
+    assert all(hook_count(p.envoy.module) == 0 for p in lm.generation_points.values())

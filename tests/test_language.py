@@ -267,7 +267,7 @@ def test_no_hooks_left_after_runs(llama):
         llama.trace("Hi", bad)
     llama.generate("Hi", read_all_steps, max_new_tokens=3)
     assert hook_count(llama.module) == before
-    taps = llama._taps
+    taps = llama.generation_points
     assert all(hook_count(p.envoy.module) == 0 for p in taps.values())
 
 

@@ -1,13 +1,102 @@
-"""Entry points and token helpers shared by every generating model (transformers, vLLM).
+"""Entry points, token helpers and invoke results shared by every generating model (transformers, vLLM).
 
 ``generate``/``agenerate`` build a run with ``self._generation(max_new_tokens,
 on_error, options)`` — the one method each model supplies — add one invoke
 and execute it; ``to_tokens``/``token_id``/``decode`` use ``self._tok()``.
+An invoke of a generation is a :class:`GeneratedInvoke`: its result plus what
+was generated for it (``.tokens``, ``.text``, ``.stopped``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..hooks.envoy import point
+from ..run import Invoke
+
 _NOTHING = object()
+
+
+class generation_point(point):
+    """Descriptor for a model-level point of a generating model (``m.logits``, ``m.tokens``).
+
+    The point lives on a module outside the model's tree (a tap module, the
+    sampler); the root envoy keeps it in ``generation_points`` by name.
+    Assignable like any point (``m.logits = t``).
+    """
+
+    def __init__(self, doc: str):
+        point.__init__(self, base="output", doc=doc)
+
+    def __get__(self, envoy, owner=None):
+        if envoy is None:
+            return self
+        return envoy.generation_points[self.name]
+
+
+@dataclass
+class Generated:
+    """Tokens generated so far for one invoke (``m.generated`` inside a task, or on the result).
+
+    ``tokens``: a 1-D LongTensor (a list of them for several prompts in one
+    transformers invoke); ``text``: a str (a list of them), or ``None``
+    without a tokenizer.
+    """
+
+    tokens: object
+    text: object
+
+
+class GeneratedInvoke(Invoke):
+    """An invoke of a generation: its intervention's result plus what was generated for it.
+
+    Subclasses supply :meth:`generated_so_far`; ``repr_name`` names them in ``repr``.
+    """
+
+    repr_name = "GeneratedInvoke"
+    keeps_run = True   # tokens and text are read from the run afterwards
+
+    @property
+    def result(self):
+        """The intervention's return value (``None`` without one; a tuple for several)."""
+        if not self.fns:
+            if not self.run.done:
+                raise RuntimeError("the generation has not run yet")
+            return None
+        return Invoke.result.fget(self)
+
+    @property
+    def tokens(self):
+        """Generated token ids: a 1-D LongTensor (a list of them for several prompts in one invoke)."""
+        return self.generated().tokens
+
+    @property
+    def text(self):
+        """Generated text (special tokens skipped): a string (a list of them for several prompts)."""
+        return self.generated().text
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the generation was stopped early (``m.stop()``) rather than ending by itself."""
+        return self.run.stopped
+
+    def generated(self) -> Generated:
+        """What this invoke generated (after the run)."""
+        self.check_done()
+        return self.generated_so_far()
+
+    def generated_so_far(self) -> Generated:
+        raise NotImplementedError
+
+    def check_done(self) -> None:
+        """Raise ``RuntimeError`` unless the run has executed."""
+        if not self.run.done:
+            raise RuntimeError("the generation has not run yet; leave the `with model.generate(...)` block first")
+
+    def __repr__(self):
+        if not self.run.done:
+            return f"<{self.repr_name} {self.index} (not run)>"
+        return f"<{self.repr_name} {self.index} text={self.text!r}>"
 
 
 class GeneratingModel:

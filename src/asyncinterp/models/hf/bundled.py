@@ -405,7 +405,7 @@ def tiny_gpt2(
         pad_token_id=tokenizer.pad_token_id,
     )
     with _seeded(seed):
-        model = GPT2LMHeadModel._from_config(config, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.eval(), tokenizer
 
 
@@ -458,7 +458,7 @@ def tiny_llama(
     )
     config.architectures = ["LlamaForCausalLM"]
     with _seeded(seed):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.eval(), tok
 
 

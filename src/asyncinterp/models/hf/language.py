@@ -27,30 +27,30 @@ import inspect
 from ...kernel.errors import NotInRunError
 from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
-from ..generating import GeneratingModel
+from ..generating import GeneratingModel, generation_point
 from .inputs import context_length
 from .runs import GenerateRun, Generation, LMRun
-from .taps import make_taps, tap
+from .taps import make_taps
 
 
 
 class LanguageModel(GeneratingModel, Model):
     """A transformers causal language model (plus its tokenizer) ready for interventions."""
 
-    logits = tap("generation only: the [rows, vocab] scores the next token is chosen from, after every "
+    logits = generation_point("generation only: the [rows, vocab] scores the next token is chosen from, after every "
                  "other logits processor; edit in place or assign `m.logits = new` to change the choice")
-    tokens = tap("generation only: the [rows] token ids chosen at this step (read-only)")
+    tokens = generation_point("generation only: the [rows] token ids chosen at this step (read-only)")
 
     def __init__(self, model, tokenizer=None, envoys: dict | None = None):
         if not hasattr(model, "config"):
             raise TypeError(f"LanguageModel wraps a transformers model (with a .config), got "
                             f"{type(model).__name__}; use ai.wrap(module) for any other torch module")
         Model.__init__(self, model, envoys=envoys)
-        d = self.__dict__
-        d["tokenizer"] = tokenizer
-        d["_taps"] = make_taps(self)
-        d["context_length"] = context_length(model.config)
-        d["_takes_position_ids"] = "position_ids" in inspect.signature(model.forward).parameters
+        init = object.__setattr__
+        init(self, "tokenizer", tokenizer)
+        init(self, "generation_points", make_taps(self))        #: ``logits``, ``tokens`` (tap points, see .taps)
+        init(self, "context_length", context_length(model.config))
+        init(self, "takes_position_ids", "position_ids" in inspect.signature(model.forward).parameters)
 
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, **hf_kwargs) -> "LanguageModel":

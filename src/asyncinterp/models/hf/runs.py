@@ -14,13 +14,11 @@ its prompt alone would produce. A generation also
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ...kernel.errors import NotInRunError
 from ...model import Trace
-from ...run import Invoke
+from ..generating import Generated, GeneratedInvoke
 from .inputs import build_batch, check_length, pad_id_of
 from .padding import PaddedLayout
 from .taps import logits_processor, rank_of, stopping_criteria
@@ -74,7 +72,7 @@ class LMRun(Trace):
     # ---------------------------------------------------------------- forward
     def _batch(self, extra_tokens: int = 0):
         lm = self.model
-        module = lm._module
+        module = lm.module
         batch = build_batch([inv.input for inv in self.invokes], lm.tokenizer, _device_of(module))
         check_length([p for p in batch.prompts if p is not None], lm.context_length, extra_tokens)
         self.batch = batch
@@ -86,44 +84,17 @@ class LMRun(Trace):
         batch = self._batch()
         lm = self.model
         call = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-        if lm._takes_position_ids:
+        if lm.takes_position_ids:
             call["position_ids"] = batch.position_ids
         call.update(_same_kwargs(self.invokes))
-        module = lm._module
+        module = lm.module
         return lambda: module(**call)
 
 
-@dataclass
-class Generated:
-    """Tokens generated so far for one invoke (``m.generated`` inside a task, or on the result)."""
+class Generation(GeneratedInvoke):
+    """An invoke of a generation: its intervention's result plus what was generated for it (through the first eos)."""
 
-    tokens: object   # 1-D LongTensor for a single prompt, else a list of them (one per row)
-    text: object     # str for a single prompt, else a list of str (None without a tokenizer)
-
-
-class Generation(Invoke):
-    """An invoke of a generation: its intervention's result plus what was generated for it."""
-
-    keeps_run = True   # tokens and text are read from the run afterwards
-
-    @property
-    def result(self):
-        """The intervention's return value (``None`` without one; a tuple for several)."""
-        if not self.fns:
-            if not self.run.done:
-                raise RuntimeError("the generation has not run yet")
-            return None
-        return Invoke.result.fget(self)
-
-    @property
-    def tokens(self):
-        """Generated token ids (through the first eos): a 1-D tensor, or a list of them for several prompts."""
-        return self._generated().tokens
-
-    @property
-    def text(self):
-        """Generated text (special tokens skipped): a string, or a list for several prompts."""
-        return self._generated().text
+    repr_name = "Generation invoke"
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -133,20 +104,8 @@ class Generation(Invoke):
         span = run.batch.spans[self.index] if run.batch is not None else None
         return seq if span is None else seq[span[0]:span[1]]
 
-    @property
-    def stopped(self) -> bool:
-        """Whether the generation was stopped early (``m.stop()``) rather than ending by itself."""
-        return self.run.stopped
-
-    def _generated(self):
-        if not self.run.done:
-            raise RuntimeError("the generation has not run yet; leave the `with model.generate(...)` block first")
+    def generated_so_far(self) -> Generated:
         return self.run.generated(self.index)
-
-    def __repr__(self):
-        if not self.run.done:
-            return f"<Generation invoke {self.index} (not run)>"
-        return f"<Generation invoke {self.index} text={self.text!r}>"
 
 
 class GenerateRun(LMRun):
@@ -223,17 +182,17 @@ class GenerateRun(LMRun):
                                  "prompt so that each invoke's rows stay its own (use several invokes instead)")
         new_tokens = kw.get("max_new_tokens") or 0
         batch = self._batch(extra_tokens=new_tokens)
-        module = lm._module
+        module = lm.module
         kw.setdefault("do_sample", False)
         kw.setdefault("pad_token_id", pad_id_of(lm.tokenizer))
         eos = kw.get("eos_token_id", getattr(module.generation_config, "eos_token_id", None))
         self._eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        taps = lm._taps
+        taps = lm.generation_points
         from transformers import LogitsProcessorList, StoppingCriteriaList
         processors = LogitsProcessorList(list(kw.pop("logits_processor", None) or []))
-        processors.append(logits_processor(taps["logits"].envoy._module))
+        processors.append(logits_processor(taps["logits"].envoy.module))
         criteria = StoppingCriteriaList(list(kw.pop("stopping_criteria", None) or []))
-        criteria.append(stopping_criteria(taps["tokens"].envoy._module, self._record))
+        criteria.append(stopping_criteria(taps["tokens"].envoy.module, self._record))
 
         def forward():
             self.track_steps(module, on_step=self._on_step)

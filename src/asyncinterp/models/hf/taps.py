@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ...hooks.envoy import Envoy, HookPoint, point
+from ...hooks.envoy import Envoy, HookPoint
 from ...kernel.errors import ReplacementError
 
 
@@ -60,18 +60,6 @@ def make_taps(root) -> dict:
 def rank_of(hook_point) -> int:
     """0 for a module's hook point, 1 for the logits tap, 2 for the tokens tap."""
     return getattr(hook_point, "rank", 0)
-
-
-class tap(point):
-    """Descriptor exposing a tap point as ``m.logits`` / ``m.tokens`` (assignable: ``m.logits = t``)."""
-
-    def __init__(self, doc: str):
-        point.__init__(self, base="output", doc=doc)
-
-    def __get__(self, envoy, owner=None):
-        if envoy is None:
-            return self
-        return envoy._taps[self.name]
 
 
 def logits_processor(module):

@@ -43,8 +43,8 @@ import torch
 
 from ...kernel.errors import RunCancelled
 from ...model import Trace
-from ...run import Invoke, check_intervention
-from ..generating import GeneratingModel
+from ...run import check_intervention
+from ..generating import Generated, GeneratedInvoke, GeneratingModel
 from .worker import (
     Flags,
     Outcome,
@@ -138,64 +138,34 @@ def _skeleton(entries):
 # ----------------------------------------------------------------------------- runs
 
 
-class VLLMInvoke(Invoke):
+class VLLMInvoke(GeneratedInvoke):
     """One vLLM request and its interventions: ``.result``, ``.tokens``, ``.text`` after the run."""
 
-    keeps_run = True   # tokens and text are read from the run afterwards
+    repr_name = "VLLMInvoke"
 
     def __init__(self, run, index, input, fns, kwargs=None):
-        Invoke.__init__(self, run, index, input, fns, kwargs)
+        GeneratedInvoke.__init__(self, run, index, input, fns, kwargs)
         self.prompt_ids = None
         self.params = None
         self.request_id = None       # our (external) vLLM request id
         self.token_ids = []
-        self._text = []
+        self.text_pieces = []        # vLLM's detokenized text, one piece per engine step
         self.finish_reason = None
 
     def cancel(self) -> None:
         """Thread-safe: abort this invoke's request and close its interventions; the others go on."""
         self.cancelled = True
-        run = self.run
-        run._cancels.append(self.index)
-        session = run.model.__dict__.get("_local_session")
-        wrun = session.run if session is not None else None
-        if wrun is not None and wrun.kernel is not None:
-            wrun.kernel.cancel_group(self.index)
+        self.run.cancel_invoke(self.index)
 
-    @property
-    def result(self):
-        """The intervention's return value (``None`` without one; a tuple for several)."""
-        if not self.fns:
-            if not self.run.done:
-                raise RuntimeError("the run has not been executed yet")
-            return None
-        return Invoke.result.fget(self)
+    def add_output(self, completion, finished: bool) -> None:
+        """Record one engine step's output for this request (a vLLM ``CompletionOutput``, delta mode)."""
+        self.token_ids.extend(completion.token_ids)
+        self.text_pieces.append(completion.text)
+        if finished:
+            self.finish_reason = completion.finish_reason
 
-    @property
-    def tokens(self) -> torch.Tensor:
-        """Generated token ids (1-D LongTensor)."""
-        self._check_done()
-        return torch.tensor(self.token_ids, dtype=torch.long)
-
-    @property
-    def text(self) -> str:
-        """Generated text (vLLM's detokenizer)."""
-        self._check_done()
-        return "".join(self._text)
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the run was stopped early (``m.stop()``) rather than ending by itself."""
-        return self.run.stopped
-
-    def _check_done(self):
-        if not self.run.done:
-            raise RuntimeError("the run has not been executed yet; leave the `with model.generate(...)` block first")
-
-    def __repr__(self):
-        if not self.run.done:
-            return f"<VLLMInvoke {self.index} (not run)>"
-        return f"<VLLMInvoke {self.index} text={self.text!r}>"
+    def generated_so_far(self) -> Generated:
+        return Generated(torch.tensor(self.token_ids, dtype=torch.long), "".join(self.text_pieces))
 
 
 class VLLMRun(Trace):
@@ -208,6 +178,18 @@ class VLLMRun(Trace):
         self.sampling = dict(sampling or {})
         self._cancels = []
         self._stop_seen = set()
+
+    def worker_run(self):
+        """The worker-side run of this run when the model is in this process (TP=1), else ``None``."""
+        session = self.model.local_session
+        return session.run if session is not None else None
+
+    def cancel_invoke(self, index) -> None:
+        """Thread-safe: abort invoke ``index``'s request after the current step and close its interventions."""
+        self._cancels.append(index)
+        wrun = self.worker_run()
+        if wrun is not None and wrun.kernel is not None:
+            wrun.kernel.cancel_group(index)
 
     def invoke(self, input=None, *fns, sampling_params=None, **sampling) -> VLLMInvoke:
         """Add a prompt (``None``: an invoke that sees every request) and its interventions.
@@ -249,13 +231,13 @@ class VLLMRun(Trace):
     def cancel(self) -> None:
         """Thread-safe: stop at the next hook point, abort the requests, raise ``RunCancelled``."""
         self.cancelled = True
-        session = self.model.__dict__.get("_local_session")
-        wrun = session.run if session is not None else None
+        wrun = self.worker_run()
         if wrun is not None:
             wrun.cancelled = True
 
     # ------------------------------------------------------------------ the engine loop
-    def _drive(self) -> None:
+    def drive(self) -> None:
+        """Add the requests, open the run on every rank, step the engine until they finish, close the run."""
         model = self.model
         engine = model.engine
         invokes = self.invokes
@@ -269,7 +251,7 @@ class VLLMRun(Trace):
             if check is not None and len(inv.prompt_ids) >= check:
                 raise ValueError(f"a prompt of {len(inv.prompt_ids)} tokens does not fit the engine's max_model_len "
                                  f"of {check} (it needs room for at least one new token)")
-        flags = model._flags
+        flags = model.flags
         flags.reset()
         internal = {}
         try:
@@ -285,7 +267,7 @@ class VLLMRun(Trace):
             if model.tp == 1 and self.context:
                 # serving (in process): serve.emit finds its requests, m.stop() ends one request only
                 extras = {"context": self.context, "stop_per_invoke": self.stop_per_invoke}
-            model._rpc(rpc_open, self.on_error, payload, extras)
+            model.rpc(rpc_open, self.on_error, payload, extras)
         except BaseException:
             _abort(engine, list(by_id))
             raise
@@ -313,15 +295,12 @@ class VLLMRun(Trace):
                         continue
                     if not halted and inv.index not in ended:
                         for c in out.outputs[:1]:
-                            inv.token_ids.extend(c.token_ids)
-                            inv._text.append(c.text)
-                            if out.finished:
-                                inv.finish_reason = c.finish_reason
+                            inv.add_output(c, out.finished)
                     if out.finished:
                         pending.discard(out.request_id)
                 if outs and flags.steps == 0:
                     raise HooksUnavailableError(
-                        f"the engine ran a step but asyncinterp's hooks on {type(model._module).__name__} did not "
+                        f"the engine ran a step but asyncinterp's hooks on {type(model.module).__name__} did not "
                         f"fire. {_COMPILE_HINT}.")
                 if halted:
                     break
@@ -338,13 +317,15 @@ class VLLMRun(Trace):
         finally:
             if pending:
                 _abort(engine, list(pending))
-            back = model._rpc(rpc_close, cancelled, model.tp > 1)
+            back = model.rpc(rpc_close, cancelled, model.tp > 1)
             self.done = True
             self.stopped = halted
             self.output = mine
             outcomes, failures = back if back is not None else ([[] for _ in invokes], [])
             for inv, tasks in zip(invokes, outcomes):
                 inv.tasks = tasks
+            for inv in invokes:
+                inv.done = True      # Invoke.result reads it (Run.finished is not called on this path)
         if cancelled and self.cancelled:
             raise RunCancelled("the run was cancelled; the engine stopped after its current step, the requests "
                                "were aborted and every hook was removed")
@@ -353,15 +334,11 @@ class VLLMRun(Trace):
 
     def _stopped_invokes(self) -> set:
         """Invokes whose task called m.stop() in this step, in a run that stops one invoke at a time."""
-        session = self.model.__dict__.get("_local_session")
-        wrun = session.run if session is not None else None
+        wrun = self.worker_run()
         if wrun is None or not wrun.stopped_invokes:
             return set()
         new = wrun.stopped_invokes - self._stop_seen
         self._stop_seen |= new
-        served = getattr(self, "_serve_stopped", None)
-        if served is not None:
-            served |= new
         return new
 
     def _apply_cancels(self, engine, pending):
@@ -373,7 +350,7 @@ class VLLMRun(Trace):
             _abort(engine, ids)
             pending.difference_update(ids)
         if self.model.tp > 1:
-            self.model._rpc(rpc_cancel, sorted(groups))
+            self.model.rpc(rpc_cancel, sorted(groups))
 
 
 def _abort(engine, ids):
@@ -539,7 +516,7 @@ class VLLM(GeneratingModel, VLLMRoot):
                 VLLMRoot.__init__(self, runner.model, runner.sampler)
                 options.update(root=self, tokenizer=tok)
                 llm.collective_rpc(rpc_init, args=(options,))
-                local = engine.model_executor.driver_worker._asyncinterp
+                local = engine.model_executor.driver_worker.asyncinterp_session
                 flags = local.flags
             else:
                 fd, path = tempfile.mkstemp(prefix="asyncinterp-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm")
@@ -552,16 +529,16 @@ class VLLM(GeneratingModel, VLLMRoot):
         except BaseException:
             _shutdown_engine(llm)
             raise
-        d = self.__dict__
-        d["llm"] = llm
-        d["engine"] = engine
-        d["tokenizer"] = tok
-        d["tp"] = tp
-        d["model_dir"] = str(model_dir)
-        d["_flags"] = flags
-        d["_local_session"] = local
-        d["_closed"] = False
-        d["max_model_len"] = getattr(engine.vllm_config.model_config, "max_model_len", None)
+        init = object.__setattr__
+        init(self, "llm", llm)
+        init(self, "engine", engine)
+        init(self, "tokenizer", tok)
+        init(self, "tp", tp)
+        init(self, "model_dir", str(model_dir))
+        init(self, "flags", flags)                   #: the worker's flag block (halted, steps), read after each step
+        init(self, "local_session", local)           #: the WorkerSession in this process (TP=1), else None
+        init(self, "closed", False)
+        init(self, "max_model_len", getattr(engine.vllm_config.model_config, "max_model_len", None))
 
     @staticmethod
     def _check_engine(engine):
@@ -576,7 +553,7 @@ class VLLM(GeneratingModel, VLLMRoot):
             raise HooksUnavailableError(f"the engine compiles the model (compilation mode {mode}). {_COMPILE_HINT}.")
 
     # ------------------------------------------------------------------ plumbing
-    def _rpc(self, fn, *args):
+    def rpc(self, fn, *args):
         """Run ``fn(worker, *args)`` on every rank (in process for TP=1); returns rank 0's answer."""
         return self.llm.collective_rpc(fn, args=args)[0]
 
@@ -584,7 +561,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         return VLLMRun(self, max_new_tokens=1, on_error=options.get("on_error", "stop"))
 
     def execute(self, run) -> None:
-        if self.__dict__.get("_closed"):
+        if self.closed:
             raise RuntimeError("this VLLM model was closed")
         if self.edits:
             from ...tools.edit import apply_edits
@@ -593,7 +570,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         if not lock.acquire(timeout=self.lock_timeout):
             raise RuntimeError(f"the model is busy with another run for more than {self.lock_timeout} s")
         try:
-            run._drive()
+            run.drive()
         finally:
             lock.release()
 
@@ -603,16 +580,15 @@ class VLLM(GeneratingModel, VLLMRoot):
 
     def close(self) -> None:
         """Shut the engine down (its workers too); the model cannot run afterwards."""
-        d = self.__dict__
-        if d.get("_closed"):
+        if self.closed:
             return
-        d["_closed"] = True
+        object.__setattr__(self, "closed", True)
         try:
             self.llm.collective_rpc(rpc_shutdown)
         except Exception:  # noqa: BLE001 - best effort
             pass
         _shutdown_engine(self.llm)
-        flags = d.get("_flags")
+        flags = self.flags
         if flags is not None:
             flags.close(unlink=True)
 
@@ -621,6 +597,13 @@ class VLLM(GeneratingModel, VLLMRoot):
 
     def __exit__(self, *exc):
         self.close()
+
+    def __copy__(self):
+        """A shallow copy sharing the engine (``model.edit`` clones the root envoy); pickling stays refused."""
+        new = object.__new__(type(self))
+        for name, value in vars(self).items():
+            object.__setattr__(new, name, value)
+        return new
 
     def __reduce_ex__(self, protocol):
         raise TypeError(

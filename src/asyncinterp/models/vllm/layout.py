@@ -34,13 +34,19 @@ import dataclasses
 
 import torch
 
-from ...hooks.views import Layout
+from ...hooks.views import BatchLayout
 
 
-class FlatLayout(Layout):
-    """Per-invoke views of the flat ``[tokens, ...]`` (or per-request ``[requests, ...]``) values of one step."""
+class FlatLayout(BatchLayout):
+    """Per-invoke views of the flat ``[tokens, ...]`` (or per-request ``[requests, ...]``) values of one step.
+
+    Writing replacements back into the full value is :class:`BatchLayout`'s
+    (through :meth:`index`, this step's rows of a group); only dataclasses
+    (vLLM's ``SamplerOutput``) are added here.
+    """
 
     def __init__(self, per_request: bool = False):
+        # not BatchLayout.__init__: the spans are re-set at every engine step (set_step)
         self.spans = {}          # invoke group -> (start, stop, row) in this step
         self.tokens = 0          # T: scheduled tokens in this step
         self.rows = 0            # R: requests in this step
@@ -67,6 +73,15 @@ class FlatLayout(Layout):
             return True
         return self.rows == 1 and span[0] == 0 and span[1] == self.tokens
 
+    def index(self, tensor: torch.Tensor, group):
+        """The rows of ``group`` in full tensor ``tensor`` this step, or ``None`` if ``tensor`` is not batched."""
+        span = self.spans[group]
+        if tensor.dim() == 0:
+            return None
+        if self.per_request:
+            return slice(span[2], span[2] + 1) if tensor.shape[0] == self.rows else None
+        return slice(span[0], span[1]) if tensor.shape[0] == self.tokens else None
+
     def view(self, value, group):
         span = self.spans.get(group)
         if span is None:
@@ -75,11 +90,11 @@ class FlatLayout(Layout):
 
     def merge(self, value, replaced: dict):
         whole = [g for g in replaced if g not in self.spans]
-        parts = [(self.spans[g], replaced[g]) for g in replaced if g in self.spans]
+        parts = [(g, replaced[g]) for g in replaced if g in self.spans]
         out = replaced[whole[-1]] if whole else value
         if not parts:
             return out
-        return self._write(out, parts)
+        return self._write_rows(out, parts)
 
     # ---------------------------------------------------------------- internals
     def _cut(self, t, span):
@@ -104,52 +119,25 @@ class FlatLayout(Layout):
         if isinstance(value, dict):
             return {k: self._map(v, span) for k, v in value.items()}
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return _replace_fields(value, {f.name: self._map(getattr(value, f.name), span)
-                                           for f in dataclasses.fields(value)})
+            return replace_fields(value, {f.name: self._map(getattr(value, f.name), span)
+                                          for f in dataclasses.fields(value)})
         return value
 
-    def _rows(self, t, span):
-        """The index of ``span``'s part of full tensor ``t``, or ``None`` if ``t`` is not batched."""
-        if t.dim() == 0:
-            return None
-        if self.per_request:
-            return slice(span[2], span[2] + 1) if t.shape[0] == self.rows else None
-        return slice(span[0], span[1]) if t.shape[0] == self.tokens else None
-
-    def _write(self, value, parts):
-        if isinstance(value, torch.Tensor):
-            out = None
-            for span, new in parts:
-                if not isinstance(new, torch.Tensor):
-                    continue
-                idx = self._rows(value, span)
-                if idx is None:
-                    out = new  # unbatched tensor: the replacement applies as a whole
-                    continue
-                if out is None:
-                    out = value.clone()
-                target = out[idx]
-                out[idx] = new.reshape(target.shape).to(dtype=target.dtype, device=target.device)
-            return value if out is None else out
-        if isinstance(value, tuple):
-            items = [self._write(v, [(s, new[i]) for s, new in parts]) for i, v in enumerate(value)]
-            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-        if isinstance(value, list):
-            return [self._write(v, [(s, new[i]) for s, new in parts]) for i, v in enumerate(value)]
-        if isinstance(value, dict):
-            return {k: self._write(v, [(s, new[k]) for s, new in parts]) for k, v in value.items()}
+    def _write_rows(self, value, parts):
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return _replace_fields(value, {
-                f.name: self._write(getattr(value, f.name), [(s, getattr(new, f.name)) for s, new in parts])
+            return replace_fields(value, {
+                f.name: self._write_rows(getattr(value, f.name), [(g, getattr(new, f.name)) for g, new in parts])
                 for f in dataclasses.fields(value)})
-        return parts[-1][1] if parts else value
+        # tensors, tuples, lists, dicts: BatchLayout's, with this step's rows (index); a view's leading
+        # dimension of one is dropped and its dtype converted by the assignment into the full tensor
+        return super()._write_rows(value, parts)
 
     def __repr__(self):
         mode = "requests" if self.per_request else "tokens"
         return f"FlatLayout({mode}, tokens={self.tokens}, rows={self.rows}, spans={self.spans})"
 
 
-def _replace_fields(obj, fields: dict):
+def replace_fields(obj, fields: dict):
     """A copy of dataclass ``obj`` with ``fields`` (init fields only; others are copied as they are)."""
     init = {f.name: fields[f.name] for f in dataclasses.fields(obj) if f.init}
     new = type(obj)(**init)

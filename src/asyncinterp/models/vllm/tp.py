@@ -49,27 +49,29 @@ class Sharding:
 
     # ----------------------------------------------------------------- access
     @staticmethod
-    def _get(value, path):
+    def get_at(value, path):
+        """The item at ``path`` (a tuple of indices) inside nested ``value``."""
         for i in path:
             value = value[i]
         return value
 
     @staticmethod
-    def _set(value, path, new):
+    def set_at(value, path, new):
+        """A copy of nested ``value`` with ``new`` at ``path`` (containers rebuilt, ``value`` untouched)."""
         if not path:
             return new
         head, rest = path[0], path[1:]
         if isinstance(value, tuple):
             items = list(value)
-            items[head] = Sharding._set(items[head], rest, new)
+            items[head] = Sharding.set_at(items[head], rest, new)
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
         if isinstance(value, list):
             items = list(value)
-            items[head] = Sharding._set(items[head], rest, new)
+            items[head] = Sharding.set_at(items[head], rest, new)
             return items
         if isinstance(value, dict):
             out = dict(value)
-            out[head] = Sharding._set(out[head], rest, new)
+            out[head] = Sharding.set_at(out[head], rest, new)
             return out
         raise TypeError(f"cannot address {path} in {type(value).__name__}")
 
@@ -79,7 +81,7 @@ class Sharding:
         from vllm.distributed import tensor_model_parallel_all_gather
         out = value
         for path, parts in self.paths.items():
-            local = self._get(value, path)
+            local = self.get_at(value, path)
             if not isinstance(local, torch.Tensor):
                 continue
             every = tensor_model_parallel_all_gather(local.unsqueeze(0).contiguous(), dim=0)  # [world, ..., d]
@@ -88,7 +90,7 @@ class Sharding:
                 for r in part.ranks:
                     pieces.append(every[r, ..., offset:offset + part.size])
                 offset += part.size
-            out = self._set(out, path, torch.cat(pieces, dim=-1))
+            out = self.set_at(out, path, torch.cat(pieces, dim=-1))
         return out
 
     def local(self, full: torch.Tensor, parts) -> torch.Tensor:
@@ -109,18 +111,18 @@ class Sharding:
         at the sharded paths.
         """
         for path, parts in self.paths.items():
-            target = self._get(original, path)
+            target = self.get_at(original, path)
             if not isinstance(target, torch.Tensor):
                 continue
-            full = self._get(final, path)
+            full = self.get_at(final, path)
             target.copy_(self.local(full, parts).to(dtype=target.dtype))
         if not replaced:
             return None
         out = final
         for path in self.paths:
-            target = self._get(original, path)
+            target = self.get_at(original, path)
             if isinstance(target, torch.Tensor):
-                out = self._set(out, path, target)
+                out = self.set_at(out, path, target)
         return out
 
 

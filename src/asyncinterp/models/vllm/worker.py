@@ -39,11 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from ...hooks.envoy import Envoy, HookPoint, point
+from ...hooks.modules import submodules
 from ...kernel.errors import NotInRunError, ReplacementError
 from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
 from ...run import Run, StopForward
-from .layout import FlatLayout
+from ..generating import Generated, generation_point
+from .layout import FlatLayout, replace_fields
 from .tp import sharding_for
 
 # ----------------------------------------------------------------------------- hook points
@@ -102,7 +104,6 @@ def _sampled_ids(out):
 
 
 def _with_sampled_ids(new, out):
-    from .layout import _replace_fields
     old = out.sampled_token_ids
     if isinstance(new, int):
         new = torch.full((old.shape[0],), new)
@@ -112,20 +113,8 @@ def _with_sampled_ids(new, out):
             f"got {new!r}")
     ids = old.clone()
     ids[:, 0] = new.reshape(-1).to(dtype=old.dtype, device=old.device)
-    return _replace_fields(out, {"sampled_token_ids": ids, **{
+    return replace_fields(out, {"sampled_token_ids": ids, **{
         k: getattr(out, k) for k in out.__dataclass_fields__ if k != "sampled_token_ids"}})
-
-
-class _extra(point):
-    """Descriptor for a model-level point that lives on another module (``m.logits``, ``m.tokens``)."""
-
-    def __init__(self, doc: str):
-        point.__init__(self, base="output", doc=doc)
-
-    def __get__(self, envoy, owner=None):
-        if envoy is None:
-            return self
-        return envoy.__dict__["_extra"][self.name]
 
 
 class _Sampler(torch.nn.Module):
@@ -145,58 +134,38 @@ class RequestStep:
     generated: int            # tokens generated before this step
 
 
-@dataclass
-class Generated:
-    """What a request has generated so far (``m.generated`` inside a task)."""
-
-    tokens: torch.Tensor
-    text: str | None
-
-
 class VLLMRoot(Model):
     """The root envoy of a vLLM model: vLLM's own module tree plus ``m.logits`` and ``m.tokens``."""
 
-    logits = _extra("the [1, vocab] next-token logits of this request at each step (output of the model's "
+    logits = generation_point("the [1, vocab] next-token logits of this request at each step (output of the model's "
                     "logits_processor); edit in place or assign to change what is sampled")
-    tokens = _extra("the [1] token id sampled for this request at each step (sampler output); assign "
+    tokens = generation_point("the [1] token id sampled for this request at each step (sampler output); assign "
                     "(m.tokens = t) or edit in place to emit a different token, which is also what the next "
                     "step is fed")
 
     def __init__(self, module, sampler=None):
         Model.__init__(self, module)
-        d = self.__dict__
-        layers = self._find_layers(module)
-        d["_layer_ids"] = frozenset(id(m) for m in layers)
+        init = object.__setattr__
+        init(self, "layer_ids", frozenset(id(m) for m in find_layers(module)))  #: ids of the decoder layers
         sampler = sampler if sampler is not None else _Sampler()
-        lp = module._modules.get("logits_processor")
+        lp = submodules(module).get("logits_processor")
         sampler_envoy = Envoy(sampler, "sampler", root=self)
-        d["_sampler_envoy"] = sampler_envoy
+        init(self, "_sampler_envoy", sampler_envoy)
         extra = {"tokens": NamedPoint(sampler_envoy, "tokens", "tokens", 2, sampler_envoy.output,
                                       _sampled_ids, _with_sampled_ids)}
         if lp is not None:
             extra["logits"] = NamedPoint(self._child("logits_processor"), "output", "logits", 1)
-        d["_extra"] = extra
-        d["_session"] = None
-
-    @staticmethod
-    def _find_layers(module):
-        for path in ("model.layers", "transformer.h", "model.decoder.layers", "layers"):
-            m = module
-            for part in path.split("."):
-                m = m._modules.get(part) if m is not None else None
-            if m is not None:
-                return list(m._modules.values())
-        return []
+        init(self, "generation_points", extra)  #: the model-level points by name (``tokens``, ``logits``)
 
     def envoy_class_for(self, module):
-        if id(module) in self.__dict__.get("_layer_ids", ()):
+        if id(module) in self.layer_ids:
             return LayerEnvoy
         return Model.envoy_class_for(self, module)
 
     @property
     def sampler(self) -> Envoy:
         """The engine's sampler (``m.sampler.output`` is vLLM's ``SamplerOutput``; ``m.tokens`` is easier)."""
-        return self.__dict__["_sampler_envoy"]
+        return self._sampler_envoy
 
     # ------------------------------------------------------ inside a run only
     def _worker_run(self, what):
@@ -220,7 +189,7 @@ class VLLMRoot(Model):
 
     def logits_of(self, hidden):
         """Logit lens: the final norm and the LM head applied to ``hidden`` (``[..., H]``), no hook point fired."""
-        module = self._module
+        module = self.module
         norm = module.model.norm if hasattr(module, "model") and hasattr(module.model, "norm") else None
         flat = hidden.reshape(-1, hidden.shape[-1])
 
@@ -232,6 +201,17 @@ class VLLMRoot(Model):
         kernel = current_kernel()
         out = kernel.host.call_adhoc(compute, (), {}) if kernel is not None else compute()
         return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+def find_layers(module) -> list:
+    """The decoder layers of a vLLM model (``model.layers`` and the like), or ``[]``."""
+    for path in ("model.layers", "transformer.h", "model.decoder.layers", "layers"):
+        m = module
+        for part in path.split("."):
+            m = submodules(m).get(part) if m is not None else None
+        if m is not None:
+            return list(submodules(m).values())
+    return []
 
 
 # ----------------------------------------------------------------------------- flags shared with the driver
@@ -350,7 +330,7 @@ class WorkerRun(Run):
         try:
             self.start()
         except StopForward:
-            self._halt()
+            self.halt()
         except BaseException:
             self._stop_recording()
             self.cleanup()
@@ -394,10 +374,11 @@ class WorkerRun(Run):
         if self.session.rank == 0:
             self.session.flags.steps = self.nsteps
         if kernel.interrupted:
-            self._halt()
+            self.halt()
         return None
 
-    def _halt(self) -> None:
+    def halt(self) -> None:
+        """Stop delivering anything (a stop or a failure; vLLM's forward is not unwound); tell the driver."""
         self.halted = True
         self.stopped = True
         if self.session.rank == 0:
@@ -431,7 +412,7 @@ class WorkerRun(Run):
                     try:
                         result = inner(mod, args, value)
                     except StopForward:
-                        run._halt()
+                        run.halt()
                         result = None
                     if shard is not None:
                         return shard.scatter(value if result is None else result, output, result is not None)
@@ -451,7 +432,7 @@ class WorkerRun(Run):
             try:
                 result = inner(mod, full_args, full_kwargs)
             except StopForward:
-                run._halt()
+                run.halt()
                 result = None
             if shard is None:
                 return result
@@ -538,7 +519,6 @@ class WorkerSession:
         if root is None:
             root = VLLMRoot(runner.model, runner.sampler)
         self.root = root
-        root.__dict__["_session"] = self
         self.flags = Flags(flags_path) if flags_path else Flags()
         self.run = None
 
@@ -566,11 +546,11 @@ def skeleton_of(module) -> list:
 
 def rpc_init(worker, options: dict):
     """Attach a :class:`WorkerSession` to ``worker``; returns the module skeleton when asked."""
-    old = getattr(worker, "_asyncinterp", None)
+    old = getattr(worker, "asyncinterp_session", None)
     if old is not None:
         old.close()
     session = WorkerSession(worker, **{k: v for k, v in options.items() if k != "skeleton"})
-    worker._asyncinterp = session
+    worker.asyncinterp_session = session
     if options.get("skeleton") and session.rank == 0:
         return skeleton_of(session.runner.model)
     return None
@@ -589,7 +569,7 @@ def rpc_open(worker, on_error: str, payload, extras=None):
     ``extras``: attributes set on the run before its tasks start (in process only, e.g. the serving
     batcher's request table that ``serve.emit`` looks up).
     """
-    session = worker._asyncinterp
+    session = worker.asyncinterp_session
     if session.run is not None and not session.run.done:
         session.run.close(cancelled=True)
     run = session.run = WorkerRun(session, on_error=on_error)
@@ -601,7 +581,7 @@ def rpc_open(worker, on_error: str, payload, extras=None):
 
 def rpc_cancel(worker, groups):
     """Close the tasks of these invoke groups at the next hook point (their requests were aborted)."""
-    run = worker._asyncinterp.run
+    run = worker.asyncinterp_session.run
     if run is not None and run.kernel is not None:
         for g in groups:
             run.kernel.cancel_group(g)
@@ -610,7 +590,7 @@ def rpc_cancel(worker, groups):
 
 def rpc_close(worker, cancelled: bool = False, portable: bool = False):
     """End the run; rank 0 returns ``(outcomes, failures)`` (made picklable when ``portable``)."""
-    session = worker._asyncinterp
+    session = worker.asyncinterp_session
     run = session.run
     session.run = None
     if run is None:
@@ -625,10 +605,10 @@ def rpc_close(worker, cancelled: bool = False, portable: bool = False):
 
 
 def rpc_shutdown(worker):
-    session = getattr(worker, "_asyncinterp", None)
+    session = getattr(worker, "asyncinterp_session", None)
     if session is not None:
         session.close()
-        worker._asyncinterp = None
+        worker.asyncinterp_session = None
     return None
 
 
