@@ -6,3 +6,5 @@ invoke (``views``, ``batching``) and the recorded module call order
 (``order``). Imports only the kernel; the run (one layer down) implements the
 host interface these points are written against (``host``).
 """
+
+from . import grad  # noqa: E402,F401  (registers point.grad)

@@ -48,7 +48,7 @@ from ..kernel.errors import NotInRunError, OutOfOrderError
 from ..kernel.scheduler import current_kernel
 from ..kernel.traps import CallTrap, trap
 from .modules import tensor_version
-from .points import Point
+from .points import Point, register_gradients
 
 __all__ = ["GradPoint", "backward", "grad_point"]
 
@@ -180,3 +180,6 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
         torch.autograd.backward(tensors, grad_tensors=grad_tensors, retain_graph=retain_graph,
                                 create_graph=create_graph, inputs=inputs)
     return trap(CallTrap(run_backward))
+
+
+register_gradients(grad_point)

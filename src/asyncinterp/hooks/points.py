@@ -22,7 +22,16 @@ from ..kernel.errors import NotInRunError
 from ..kernel.scheduler import current_kernel, current_task
 from ..kernel.traps import PointTrap
 
-__all__ = ["Point"]
+__all__ = ["Point", "gradient_of"]
+
+
+def gradient_of(point):
+    """The gradient point of ``point``; replaced by :func:`asyncinterp.hooks.grad.grad_point` when it loads.
+
+    (The gradient layer builds on this module, so it registers itself here
+    instead of this module importing it.)
+    """
+    raise RuntimeError("gradient points are unavailable: asyncinterp.hooks.grad was not imported")
 
 
 class Point(PointTrap):
@@ -63,8 +72,7 @@ class Point(PointTrap):
     @property
     def grad(self):
         """The gradient at this point during a backward pass started in the run (see asyncinterp.hooks.grad)."""
-        from .grad import grad_point
-        return grad_point(self)
+        return _gradients["factory"](self)
 
     @grad.setter
     def grad(self, value):
@@ -77,3 +85,11 @@ class Point(PointTrap):
     def order_position(self):
         """``(module, "inputs" | "output")`` in the recorded call order, or ``None``."""
         return None
+
+
+_gradients = {"factory": gradient_of}
+
+
+def register_gradients(factory) -> None:
+    """Make ``point.grad`` return ``factory(point)`` (called once by asyncinterp.hooks.grad)."""
+    _gradients["factory"] = factory
