@@ -382,7 +382,7 @@ class Run:
                 if inv.cancelled:
                     kernel.cancel_group(inv.index)
             if kernel.cancel_requests:
-                kernel._apply_cancels()
+                kernel.apply_cancels()
             kernel.drain()
             if kernel.interrupted:
                 raise _Interrupt()
