@@ -46,6 +46,7 @@ def test_tasks_resume_in_invoke_order_and_get_their_view():
         return body
 
     k = make()
+    host = k.host  # close() (run by finish) drops the kernel's reference to its host
     t1 = k.spawn(fn("second")(), group=1)
     t0 = k.spawn(fn("first")(), group=0)
     run(k, ["a", "b", "c"])
@@ -55,7 +56,8 @@ def test_tasks_resume_in_invoke_order_and_get_their_view():
     ]
     assert (t0.result, t1.result) == ("first", "second")
     assert k.failures == []
-    assert k.host.activated.count("a") == 2
+    assert k.host is None
+    assert host.activated.count("a") == 2
 
 
 def test_future_shared_across_invokes_within_one_firing():
@@ -287,3 +289,82 @@ def test_stop_request_interrupts(n):
     k.drain()
     k.provide("a", lambda t, tr: None)
     assert k.interrupted and t.result == "stopped"
+
+
+def _workload(k, fut, late):
+    """Tasks that use every kind of wait: points, futures, spawn/join (gather), steps."""
+
+    async def producer():
+        await P("a")
+        fut.set_result(1)
+        await P("c")
+        late.set_result(2)
+        return "p"
+
+    async def consumer():
+        v = await fut                       # parks until the producer sets it
+        child = await spawn(P("b"))
+        x, y = await gather(P("c"), P("d"))
+        b = await child
+        w = await late
+        return v, b, x, y, w
+
+    async def stepper():
+        seen = []
+        async for step in Steps():
+            seen.append(step)
+            await P("a")
+        return seen
+
+    return [k.spawn(producer(), 0), k.spawn(consumer(), 1), k.spawn(stepper(), 2)]
+
+
+def test_finished_kernel_leaves_no_reference_cycles():
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        fut, late = Future("f"), Future("late")
+        k = make()
+        tasks = _workload(k, fut, late)
+        run(k, ["a", "b", "c", "d", None, "a", "b", "c", "d"])
+        assert k.failures == []
+        assert [t.result for t in tasks] == ["p", (1, ("B", 1), ("C", 1), ("D", 1), 2), [0, 1]]
+        refs = [weakref.ref(k)] + [weakref.ref(t) for t in tasks]
+        del k, tasks
+        assert all(r() is None for r in refs)  # freed by reference counting alone
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
+def test_closing_a_kernel_mid_run_undoes_every_wait():
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        fut, late = Future("f"), Future("late")
+        k = make()
+        tasks = _workload(k, fut, late)
+
+        async def waiter():
+            return await late
+
+        tasks.append(k.spawn(waiter(), 3))
+        run_steps = ["a", "b"]  # now the consumer waits on a join, the waiter on a future, the others on points
+        k.drain()
+        for name in run_steps:
+            k.provide(name, lambda task, trap: (name.upper(), task.group))
+        k.close()  # no finish: every task is closed where it waits
+        assert all(t.closed for t in tasks) and k.failures == []
+        refs = [weakref.ref(k)] + [weakref.ref(t) for t in tasks]
+        del k, tasks
+        assert all(r() is None for r in refs)
+        late.set_result(3)  # nobody waits any more: the kernel's callback is gone
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -34,7 +34,7 @@ from .hooks.modules import (
 )
 from .hooks.views import Layout, check_replacement
 from .kernel.futures import Future
-from .kernel.scheduler import Kernel
+from .kernel.scheduler import Kernel, callable_name
 from .kernel.traps import PointTrap
 
 
@@ -228,7 +228,7 @@ class Run:
         for name, v in kwargs.items():
             if inspect.iscoroutine(v) or (callable(v) and is_async_fn(v)):
                 raise TypeError(
-                    f"keyword argument {name}={_fn_name(v)} looks like an intervention, but keyword arguments go "
+                    f"keyword argument {name}={callable_name(v)} looks like an intervention, but keyword arguments go "
                     "to the model's forward; pass interventions positionally: model.trace(x, fn) / "
                     "run.invoke(x, fn)")
         inv = Invoke(self, len(self.invokes), input, fns, kwargs)
@@ -537,13 +537,13 @@ class Run:
                 coro = fn(model)
                 if not inspect.iscoroutine(coro):
                     raise TypeError(
-                        f"{_fn_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
+                        f"{callable_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
                         "must be `async def` functions taking the model envoy")
-                inv.tasks.append(kernel.spawn(coro, inv.index, _fn_name(fn)))
+                inv.tasks.append(kernel.spawn(coro, inv.index, callable_name(fn)))
             if inv.cancelled:
                 kernel.cancel_group(inv.index)
         if kernel.cancel_requests:
-            kernel._apply_cancels()
+            kernel.apply_cancels()
         kernel.drain()
         if kernel.interrupted:
             raise StopForward()
@@ -612,7 +612,6 @@ class Run:
         kernel = self.kernel
         if kernel is not None:
             kernel.close()
-            kernel.host = None   # the kernel's back-reference: a finished run holds no cycle
         for h in reversed(self._handles):
             h.remove()
         self._handles.clear()
@@ -682,7 +681,7 @@ def _check_closures(inv) -> None:
         now = read()
         if now is not value:
             raise LateBindingError(
-                f"intervention {_fn_name(fn)} of invoke {inv.index} uses the variable {name!r}, which was "
+                f"intervention {callable_name(fn)} of invoke {inv.index} uses the variable {name!r}, which was "
                 f"{_short(value)} when the invoke was added and is {_short(now)} now that the run starts: "
                 "Python closures see a variable's latest value (a loop variable ends at its last value), so "
                 "every invoke would use the same one. Bind it when adding the invoke: "
@@ -736,10 +735,6 @@ def is_async_fn(fn) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def _fn_name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
 _checked = weakref.WeakSet()
 
 
@@ -766,7 +761,7 @@ def _check_intervention_once(fn) -> None:
         raise TypeError(f"an intervention must be an `async def` function taking the model envoy, got {fn!r}")
     if not is_async_fn(fn) and not _returns_coroutine_hint(fn):
         raise TypeError(
-            f"{_fn_name(fn)} is a plain function; interventions must be `async def` functions taking the model "
+            f"{callable_name(fn)} is a plain function; interventions must be `async def` functions taking the model "
             "envoy (`async def fn(m): h = await m.layer.output`)")
 
 

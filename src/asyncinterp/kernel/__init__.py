@@ -13,12 +13,13 @@ from .errors import (
     await_site,
 )
 from .futures import Future
-from .scheduler import Kernel, Task, TaskHandle, current_kernel, current_task
+from .host import KernelHost
+from .scheduler import Kernel, Task, TaskHandle, callable_name, current_kernel, current_task
 from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap, Trap, trap
 
 __all__ = [
     "AsyncInterpError", "ForeignAwaitError", "MissedHookPoint", "ModulePathError", "NotInRunError",
     "OutOfOrderError", "ReplacementError", "RunCancelled", "UnsetFutureError", "await_site",
-    "Future", "Kernel", "Task", "TaskHandle", "current_kernel", "current_task",
+    "Future", "Kernel", "KernelHost", "Task", "TaskHandle", "callable_name", "current_kernel", "current_task",
     "CallTrap", "FutureTrap", "JoinTrap", "PointTrap", "SpawnTrap", "StepTrap", "Trap", "trap",
 ]

@@ -19,9 +19,27 @@ sit the step out: their step loops do not advance, their point waits carry
 over to the group's next step instead of failing, and firings of the step do
 not resume them. ``active=None`` (the default) means every group.
 
-The kernel knows nothing about torch or modules. Its host (the run) supplies
-values, installs hooks lazily (``activate``), and answers whether a point that
-never fired this step has nevertheless already run (``already_ran``).
+The kernel knows nothing about torch or modules. Its host (the run; see
+:class:`~asyncinterp.kernel.host.KernelHost`) supplies values through
+``provide``, installs hooks lazily (``activate``), and answers whether a point
+that never fired this step has nevertheless already run (``already_ran``).
+
+Traps are dispatched by a table, ``Kernel._trap_handlers``: trap class ->
+handler ``(kernel, task, trap)``, which returns ``(value, exc)`` to resume the
+task at once, or ``None`` when it parked the task. A subclass (the hooks
+layer's ``HookPoint`` is a ``PointTrap``) is resolved once through its MRO and
+cached under its own type, so the hot path is one ``dict.get(type(trap))``.
+Anything that resolves only to ``object`` is a foreign await.
+
+A parked task records what it waits on (``task.waiting``, the trap) and how
+to give the wait up (``task.abort``), in the style of trio's
+``wait_task_rescheduled(abort_func)``: ``abort(kernel, task)`` undoes the
+registrations the wait made elsewhere (a future's done callback, a child's
+joiner list) without resuming the task. ``None`` means there is nothing to
+undo: entries in the kernel's own point and step tables are dropped lazily
+(one counts only while ``task.waiting`` is still its trap). Closing a task,
+the end of a run or of an invoke give waits up through ``abort``; a wait that
+completes goes through ``reschedule``.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ from .errors import (
     UnsetFutureError,
     await_site,
 )
+from .host import KernelHost
 from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap
 
 _local = threading.local()
@@ -55,7 +74,7 @@ class Task:
 
     __slots__ = (
         "coro", "group", "order", "name", "consumed", "step", "position",
-        "waiting", "done", "closed", "result", "exc", "joiners", "parent", "observed",
+        "waiting", "abort", "done", "closed", "result", "exc", "joiners", "parent", "observed",
         "__weakref__",
     )
 
@@ -68,6 +87,7 @@ class Task:
         self.step = 0 if parent is None else parent.step
         self.position = None if parent is None else parent.position
         self.waiting = None         # the trap this task is parked on
+        self.abort = None           # how to give that wait up: abort(kernel, task), or None
         self.done = False
         self.closed = False
         self.result = None
@@ -83,38 +103,39 @@ class Task:
 class TaskHandle:
     """What ``ai.spawn`` returns: await it for the sub-task's result."""
 
-    __slots__ = ("_task",)
+    __slots__ = ("task",)
 
     def __init__(self, task):
-        self._task = task
+        self.task = task
 
     def done(self) -> bool:
-        return self._task.done
+        return self.task.done
 
     def cancel(self) -> None:
         """Close the sub-task now (its ``finally`` blocks run); awaiting it afterwards returns None."""
-        task = self._task
+        task = self.task
         if not task.done:
             kernel = current_kernel()
             if kernel is None:
                 raise RuntimeError("a sub-task can only be cancelled from inside its run")
-            kernel._close_task(task)
+            kernel.close_task(task)
         task.observed = True
 
     def __await__(self):
-        return (yield JoinTrap(self._task))
+        return (yield JoinTrap(self.task))
 
 
 class Kernel:
     """Tasks, waiters and the resume loop for one run."""
 
-    def __init__(self, host, on_error: str = "stop"):
+    def __init__(self, host: KernelHost, on_error: str = "stop"):
         self.host = host
         self.on_error = on_error
         self.step = 0
         self.fired = {}           # point key -> calls so far in this step
         self.waiters = {}         # point key -> [(task, call index, trap)]
         self.step_waiters = []
+        self.future_waits = {}    # task parked on a Future -> its done callback (a _FutureWait)
         self.ready = deque()      # (task, value, exc)
         self.tasks = []
         self.failures = []
@@ -131,7 +152,7 @@ class Kernel:
     def spawn(self, coro, group, name=None, parent=None) -> Task:
         """Register a coroutine as a task; it starts at the next ``drain``."""
         self._seq += 1
-        task = Task(coro, group, (group, self._seq), name or _name_of(coro), parent)
+        task = Task(coro, group, (group, self._seq), name or callable_name(coro), parent)
         if parent is None:
             task.step = self.step
         self.tasks.append(task)
@@ -146,6 +167,35 @@ class Kernel:
             if not task.done:
                 self._step(task, value, exc)
 
+    def reschedule(self, task, value=None, exc=None) -> None:
+        """Resume parked ``task`` at the next ``drain``: send it ``value``, or throw ``exc`` into it.
+
+        For a wait that completed (or that its owner ends itself): the
+        registrations the wait made elsewhere must already be gone, so the
+        wait's abort is dropped, not called.
+        """
+        task.waiting = None
+        task.abort = None
+        self.ready.append((task, value, exc))
+
+    def close_task(self, task) -> None:
+        """Close ``task`` now: give up its wait and run its ``finally`` blocks (on this thread).
+
+        An exception raised while closing (a ``finally`` that raised or
+        awaited again) is recorded as a failure of the run.
+        """
+        self._give_up(task)
+        task.done = True
+        task.closed = True
+        prev = _enter(self, task)
+        try:
+            task.coro.close()
+        except Exception as exc:  # a finally block that raised or awaited again
+            exc.add_note(f"while closing intervention {task.name!r}")
+            self.failures.append(exc)
+        finally:
+            _leave(prev)
+
     @property
     def interrupted(self) -> bool:
         """True when the host should stop the model now."""
@@ -155,7 +205,7 @@ class Kernel:
     def provide(self, key, get_value) -> None:
         """A hook point fired: resume its waiters with ``get_value(task, trap)``."""
         if self.cancel_requests:
-            self._apply_cancels()
+            self.apply_cancels()
         n = self.fired.get(key, 0)
         self.fired[key] = n + 1
         entries = self.waiters.get(key)
@@ -185,7 +235,7 @@ class Kernel:
             for task, _, trap in due:
                 if task.done or task.waiting is not trap:
                     continue
-                task.waiting = None
+                task.waiting = None  # a point wait has no abort: nothing else to reset
                 if task.step != self.step:  # a wait carried over from a step its invoke sat out
                     task.step = self.step
                     task.consumed = {}
@@ -210,7 +260,7 @@ class Kernel:
         until a step their group takes part in.
         """
         if self.cancel_requests:
-            self._apply_cancels()
+            self.apply_cancels()
         self._miss_points("before its step ended", self.active)
         self.step += 1
         self.fired.clear()
@@ -222,33 +272,31 @@ class Kernel:
         waiting.sort(key=lambda t: t.order)
         for task in waiting:
             if task.waiting is not None and not task.done:
-                task.waiting = None
-                self.ready.append((task, self.step, None))
+                self.reschedule(task, self.step)
         self.drain()
 
     def finish(self) -> None:
         """The model is done: end step loops, fail whatever still waits."""
         if self.cancel_requests:
-            self._apply_cancels()
+            self.apply_cancels()
         self.finished = True
         for _ in range(1000):
             woke = False
             waiting, self.step_waiters = self.step_waiters, []
             for task in sorted(waiting, key=lambda t: t.order):
                 if not task.done:
-                    task.waiting = None
-                    self.ready.append((task, None, None))
+                    self.reschedule(task)
                     woke = True
             woke |= self._miss_points("before the run ended")
-            for task in self.tasks:
-                if not task.done and isinstance(task.waiting, FutureTrap):
-                    fut = task.waiting.future
-                    fut._remove_waiter(task)
-                    task.waiting = None
+            if self.future_waits:
+                future_waits = self.future_waits
+                for task in [t for t in self.tasks if t in future_waits]:  # in creation order
+                    fut = future_waits[task].future
+                    self._give_up(task)
                     where = await_site(task.coro)
-                    self.ready.append((task, None, UnsetFutureError(
+                    self.reschedule(task, None, UnsetFutureError(
                         f"{fut!r} awaited at {where} was never set before the run ended; "
-                        "the task that should set it finished, failed or waits on a later point")))
+                        "the task that should set it finished, failed or waits on a later point"))
                     woke = True
             self.drain()
             if not woke:
@@ -265,15 +313,20 @@ class Kernel:
         """
         self.cancel_requests.append(group)
 
-    def _apply_cancels(self):
-        if current_task() is not None:  # a task is executing on this thread (e.g. inside a backward): later
+    def apply_cancels(self) -> None:
+        """Close the tasks of the groups ``cancel_group`` asked for; call it on the model's thread.
+
+        Does nothing while a task is executing on this thread (e.g. inside a
+        backward a task started): the next hook point applies them.
+        """
+        if current_task() is not None:
             return
         groups = set()
         while self.cancel_requests:
             groups.add(self.cancel_requests.pop())
         for task in self.tasks:
             if task.group in groups and not task.done:
-                self._close_task(task)
+                self.close_task(task)
 
     def end_group(self, group) -> None:
         """Invoke ``group`` leaves the run early (e.g. its generation is over) while the others go on.
@@ -289,8 +342,7 @@ class Kernel:
             keep = []
             for task in sorted(self.step_waiters, key=lambda t: t.order):
                 if task.group == group and not task.done:
-                    task.waiting = None
-                    self.ready.append((task, None, None))
+                    self.reschedule(task)
                     woke = True
                 elif task.group != group:
                     keep.append(task)
@@ -312,40 +364,39 @@ class Kernel:
                 break
 
     def close(self) -> None:
-        """Close every unfinished task (its ``finally`` blocks run) and drop waiters.
+        """Close every unfinished task (its ``finally`` blocks run) and drop waiters and the host.
 
         Failures of sub-tasks that nobody awaited are reported here too.
+        Afterwards the kernel holds no reference cycles: it, its tasks and
+        their handles are freed by reference counting.
         """
         if self._closed:
             return
         self._closed = True
         for task in self.tasks:
             if not task.done:
-                self._close_task(task)
+                self.close_task(task)
         self.waiters.clear()
         self.step_waiters.clear()
+        self.future_waits.clear()
         self.ready.clear()
+        self.current_point = None
         for task in self.tasks:
+            task.joiners = []
             if task.exc is not None and not task.observed:
                 task.observed = True
                 self.failures.append(task.exc)
-
-    def _close_task(self, task):
-        if isinstance(task.waiting, FutureTrap):
-            task.waiting.future._remove_waiter(task)
-        task.waiting = None
-        task.done = True
-        task.closed = True
-        prev = _enter(self, task)
-        try:
-            task.coro.close()
-        except Exception as exc:  # a finally block that raised or awaited again
-            exc.add_note(f"while closing intervention {task.name!r}")
-            self.failures.append(exc)
-        finally:
-            _leave(prev)
+        self.host = None
 
     # ------------------------------------------------------------- internals
+    def _give_up(self, task):
+        """Undo ``task``'s wait (if any) through its abort; it is not resumed."""
+        abort = task.abort
+        if abort is not None:
+            abort(self, task)
+            task.abort = None
+        task.waiting = None
+
     def _miss_points(self, when: str, groups=None) -> bool:
         if not self.waiters:
             return False
@@ -373,7 +424,6 @@ class Kernel:
         for task, call, trap in entries:
             if task.done or task.waiting is not trap:
                 continue
-            task.waiting = None
             nth = f" (call #{call + 1} in this pass)" if call else ""
             hint = ""
             if self.step or self.step_waiters or when.startswith("before its step"):
@@ -382,17 +432,9 @@ class Kernel:
             err = MissedHookPoint(
                 f"{trap.describe()}{nth}, awaited at {await_site(task.coro)}, never ran {when} "
                 f"(step {self.step}){hint}")
-            self.ready.append((task, None, err))
+            self.reschedule(task, None, err)
             woke = True
         return woke
-
-    def _future_done(self, task, fut):
-        if task.waiting is not None and isinstance(task.waiting, FutureTrap) and task.waiting.future is fut:
-            task.waiting = None
-            if fut._exc is not None:
-                self.ready.append((task, None, fut._exc))
-            else:
-                self.ready.append((task, fut._value, None))
 
     def _step(self, task, value, exc):
         """Resume ``task`` and handle traps until it parks or ends."""
@@ -404,6 +446,7 @@ class Kernel:
         if self.current_point is not None:
             task.position = self.current_point
         coro = task.coro
+        handlers = self._trap_handlers
         try:
             while True:
                 try:
@@ -424,60 +467,35 @@ class Kernel:
                         err = foreign
                     self._finish_task(task, None, err)
                     return
-                value = exc = None
-                if isinstance(t, PointTrap):
-                    exc = self._wait_point(task, t)
-                    if exc is None:
-                        return
-                elif isinstance(t, FutureTrap):
-                    fut = t.future
-                    if fut.done():
-                        if fut._exc is not None:
-                            exc = fut._exc
-                        else:
-                            value = fut._value
-                    elif self.finished:
-                        exc = UnsetFutureError(f"{fut!r} is not set and the run has ended")
-                    else:
-                        task.waiting = t
-                        fut._add_waiter(self, task)
-                        return
-                elif isinstance(t, StepTrap):
-                    if self.finished or (self.ended and task.group in self.ended):
-                        value = None
-                    else:
-                        task.waiting = t
-                        self.step_waiters.append(task)
-                        return
-                elif isinstance(t, SpawnTrap):
-                    child = self.spawn(t.coro, task.group, t.name, parent=task)
-                    value = TaskHandle(child)
-                elif isinstance(t, JoinTrap):
-                    child = t.task
-                    if child.done:
-                        value, exc = self._joined(task, child)
-                    else:
-                        task.waiting = t
-                        child.joiners.append(task)
-                        return
-                elif isinstance(t, CallTrap):
-                    try:
-                        value = t.fn(*t.args)
-                    except BaseException as err:  # noqa: BLE001
-                        exc = err
-                else:
-                    exc = ForeignAwaitError(
-                        f"intervention {task.name!r} awaited {t!r} at {await_site(coro)}, which asyncinterp "
-                        "cannot drive: interventions run inside the model's forward pass, not in an event loop. "
-                        "Await only hook points, ai.Future, ai.gather/ai.spawn handles and m.steps(); to call "
-                        "async code of your app from inside a run use `await ai.in_loop(fn, *args)` under atrace.")
+                handler = handlers.get(type(t))
+                if handler is None:
+                    handler = self._handler_for(type(t))
+                resumed = handler(self, task, t)
+                if resumed is None:  # parked
+                    return
+                value, exc = resumed
         finally:
             _leave(prev)
 
-    def _wait_point(self, task, trap):
+    def _handler_for(self, cls):
+        """The handler of trap class ``cls``: its nearest base in the table, cached under ``cls``."""
+        table = self._trap_handlers
+        for base in cls.__mro__:
+            handler = table.get(base)
+            if handler is not None:
+                if base is not object:  # a foreign type is not cached: anything may be yielded
+                    table[cls] = handler
+                return handler
+        return table[object]  # pragma: no cover - every MRO ends in object
+
+    # ------------------------------------------------------------ trap handlers
+    # Each takes (task, trap) and returns (value, exc) to resume the task with
+    # at once, or None after parking it (task.waiting, task.abort set).
+
+    def _trap_point(self, task, trap):
         if self.ended and task.group in self.ended:
-            return MissedHookPoint(f"{trap.describe()}, awaited at {await_site(task.coro)}, "
-                                   "cannot run: this invoke's run has already ended")
+            return None, MissedHookPoint(f"{trap.describe()}, awaited at {await_site(task.coro)}, "
+                                         "cannot run: this invoke's run has already ended")
         key = trap.key
         call = task.consumed.get(key, 0)
         fired = self.fired.get(key, 0)
@@ -488,18 +506,18 @@ class Kernel:
             where = await_site(task.coro)
             at = task.position.describe() if task.position is not None else "the start of the pass"
             nth = f" call #{call + 1}" if call else ""
-            return OutOfOrderError(
+            return None, OutOfOrderError(
                 f"awaited {trap.describe()}{nth} at {where}, but it already ran in this forward pass: the "
                 f"intervention is at {at}, which runs after it. Await hook points in the order the model "
                 f"runs them (await {trap.describe()} before {at}), or use ai.gather(...) to wait for several.")
         if self.finished:
-            return MissedHookPoint(f"{trap.describe()}, awaited at {await_site(task.coro)}, "
-                                   "cannot run: the run has already ended")
+            return None, MissedHookPoint(f"{trap.describe()}, awaited at {await_site(task.coro)}, "
+                                         "cannot run: the run has already ended")
         try:
             self.host.activate(trap, task)
         except Exception as err:  # bad point for this run: raised at the user's await
-            return err
-        task.waiting = trap
+            return None, err
+        task.waiting = trap  # no abort: stale entries in self.waiters are skipped
         entries = self.waiters.get(key)
         if entries is None:
             self.waiters[key] = [(task, call, trap)]
@@ -507,9 +525,70 @@ class Kernel:
             entries.append((task, call, trap))
         return None
 
+    def _trap_future(self, task, trap):
+        fut = trap.future
+        if fut.done():
+            exc = fut.exception()
+            return (None, exc) if exc is not None else (fut.result(), None)
+        if self.finished:
+            return None, UnsetFutureError(f"{fut!r} is not set and the run has ended")
+        wait = _FutureWait(self, task, fut)
+        self.future_waits[task] = wait
+        task.waiting = trap
+        task.abort = _abort_future
+        fut.add_done_callback(wait)
+        return None
+
+    def _trap_step(self, task, trap):
+        if self.finished or (self.ended and task.group in self.ended):
+            return _RESUME_NONE
+        task.waiting = trap  # no abort: stale entries in self.step_waiters are skipped
+        self.step_waiters.append(task)
+        return None
+
+    def _trap_spawn(self, task, trap):
+        child = self.spawn(trap.coro, task.group, trap.name, parent=task)
+        return TaskHandle(child), None
+
+    def _trap_join(self, task, trap):
+        child = trap.task
+        if child.done:
+            return self._joined(task, child)
+        task.waiting = trap
+        task.abort = _abort_join
+        child.joiners.append(task)
+        return None
+
+    def _trap_call(self, task, trap):
+        try:
+            return trap.fn(*trap.args), None
+        except BaseException as err:  # noqa: BLE001 - thrown into the task
+            return None, err
+
+    def _trap_foreign(self, task, trap):
+        return None, ForeignAwaitError(
+            f"intervention {task.name!r} awaited {trap!r} at {await_site(task.coro)}, which asyncinterp "
+            "cannot drive: interventions run inside the model's forward pass, not in an event loop. "
+            "Await only hook points, ai.Future, ai.gather/ai.spawn handles and m.steps(); to call "
+            "async code of your app from inside a run use `await ai.in_loop(fn, *args)` under atrace.")
+
+    # trap class -> handler; subclasses are added on first use (see _handler_for).
+    # ``object`` catches everything else: a foreign await.
+    _trap_handlers = {
+        PointTrap: _trap_point,
+        FutureTrap: _trap_future,
+        StepTrap: _trap_step,
+        SpawnTrap: _trap_spawn,
+        JoinTrap: _trap_join,
+        CallTrap: _trap_call,
+        object: _trap_foreign,
+    }
+
+    # ---------------------------------------------------------------- results
     def _finish_task(self, task, result, exc):
         task.done = True
         task.waiting = None
+        task.abort = None
         task.result = result
         if exc is not None:
             if task.position is not None:
@@ -518,12 +597,10 @@ class Kernel:
             task.exc = exc
             if task.parent is None:
                 self.failures.append(exc)
-        for joiner in task.joiners:
-            if joiner.waiting is not None and isinstance(joiner.waiting, JoinTrap):
-                joiner.waiting = None
-                value, err = self._joined(joiner, task)
-                self.ready.append((joiner, value, err))
-        task.joiners = []
+        joiners, task.joiners = task.joiners, []
+        for joiner in joiners:  # all still parked on this task: a join given up removes itself
+            value, err = self._joined(joiner, task)
+            self.reschedule(joiner, value, err)
 
     def _joined(self, parent, child):
         for key, n in child.consumed.items():
@@ -535,12 +612,44 @@ class Kernel:
         return child.result, None
 
 
+_RESUME_NONE = (None, None)
+
+
+class _FutureWait:
+    """A task parked on a Future: the done callback the kernel registers on it."""
+
+    __slots__ = ("kernel", "task", "future")
+
+    def __init__(self, kernel, task, future):
+        self.kernel = kernel
+        self.task = task
+        self.future = future
+
+    def __call__(self, fut):  # the future was set: resume the task with its outcome
+        kernel, task = self.kernel, self.task
+        del kernel.future_waits[task]
+        exc = fut.exception()
+        kernel.reschedule(task, None if exc is not None else fut.result(), exc)
+
+
+def _abort_future(kernel, task):
+    """Give up a wait on a Future: forget the done callback."""
+    wait = kernel.future_waits.pop(task)
+    wait.future.remove_done_callback(wait)
+
+
+def _abort_join(kernel, task):
+    """Give up a wait on a sub-task: leave its joiners."""
+    task.waiting.task.joiners.remove(task)
+
+
 def _order_of(entry):
     return entry[0].order
 
 
-def _name_of(coro) -> str:
-    return getattr(coro, "__qualname__", None) or getattr(coro, "__name__", None) or repr(coro)
+def callable_name(obj) -> str:
+    """A readable name for a function, coroutine or other object: qualname, else name, else repr."""
+    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
 
 
 def _enter(kernel, task):

@@ -1,0 +1,51 @@
+"""What the kernel needs from its host: the model-side half of a run.
+
+The kernel schedules coroutines and knows nothing about torch, modules or
+hooks. Whoever drives it (a run, or a scripted fake in tests) is its *host*:
+the host calls ``provide``/``begin_step``/``finish`` as the model executes,
+and the kernel calls back the two methods of :class:`KernelHost`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .scheduler import Task
+    from .traps import PointTrap
+
+
+class KernelHost(Protocol):
+    """The methods the :class:`~asyncinterp.kernel.scheduler.Kernel` calls on its host.
+
+    Both are called on the kernel's thread while a task is being stepped, from
+    inside the kernel's handling of a ``PointTrap`` (a task awaiting a hook
+    point), before the task is parked.
+    """
+
+    def activate(self, trap: PointTrap, task: Task) -> None:
+        """Make sure ``trap``'s point will be delivered: the task is about to wait for it.
+
+        Called every time a task parks on a point (so it must be cheap when
+        the point is already active); ``task`` is the waiting task. The host
+        installs whatever makes the point fire (e.g. a torch hook, lazily) so
+        that it later calls ``kernel.provide(trap.key, get_value)``.
+
+        An exception means the point cannot be delivered in this run (no such
+        module, wrong kind of run, ...): the kernel does not park the task but
+        throws the exception into it, at the user's ``await``.
+        """
+        ...
+
+    def already_ran(self, trap: PointTrap, current_point: PointTrap) -> bool:
+        """Whether ``trap``'s point has already run in this step, though it never fired.
+
+        Called when a task awaits a point that has not fired in the current
+        step while the task was resumed at ``current_point`` (another point
+        that is firing now). The host answers from what it knows of the
+        model's order (static module order, recorded order, ...): ``True``
+        makes the await an ``OutOfOrderError``, ``False`` parks the task.
+        Answer ``False`` when unsure. An exception propagates out of the
+        kernel (it is a bug of the host, not of the task).
+        """
+        ...
