@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...kernel.errors import NotInRunError
+from ...hooks.batching import forward_kwargs
 from ...model import Trace
 from ..generating import Generated, GeneratedInvoke
 from .inputs import build_batch, check_length, pad_id_of
@@ -28,21 +29,6 @@ def _device_of(module):
     for p in module.parameters():
         return p.device
     return None
-
-
-def _same_kwargs(invokes):
-    """Forward keyword arguments given with invokes; invokes batched together must agree."""
-    merged = None
-    for inv in invokes:
-        if inv.input is None and not inv.kwargs:
-            continue
-        if merged is None:
-            merged = dict(inv.kwargs)
-        elif set(merged) != set(inv.kwargs) or any(merged[k] is not inv.kwargs[k] and merged[k] != inv.kwargs[k]
-                                                     for k in merged):
-            raise ValueError("invokes batched in one run must pass the same forward keyword arguments; "
-                             f"got {sorted(merged)} and {sorted(inv.kwargs)}")
-    return merged or {}
 
 
 class LMRun(Trace):
@@ -86,7 +72,7 @@ class LMRun(Trace):
         call = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         if lm.takes_position_ids:
             call["position_ids"] = batch.position_ids
-        call.update(_same_kwargs(self.invokes))
+        call.update(forward_kwargs(self.invokes))
         module = lm.module
         return lambda: module(**call)
 
