@@ -32,3 +32,5 @@ def test_generation_page_runs(capsys):
     assert ns["gen"].stopped
     assert "awaited model.layers.2.output" in out
     assert ns["a"].result == ns["b"].result == 3
+    assert ns["sliced"].result == [1, 2] and len(ns["sliced"].tokens) == 5 and not ns["sliced"].stopped
+    assert ns["short"].stopped and len(ns["short"].tokens) == 1

@@ -181,7 +181,8 @@ def test_stop_from_a_task_returns_what_was_generated(lm, reference):
     async def other(m):
         async for _ in m.steps():
             await m.model.layers[1].output
-        later.append("unreachable")
+        later.append("after the loop")   # m.stop() ends step loops like the end of generation does
+        return "done"
 
     with lm.generate(max_new_tokens=10) as gen:
         a = gen.invoke(PROMPT, stop_at_3)
@@ -190,9 +191,30 @@ def test_stop_from_a_task_returns_what_was_generated(lm, reference):
     assert a.stopped
     assert a.tokens.tolist() == ref_tokens[:4].tolist()
     assert b.tokens.tolist() == ref_tokens[:4].tolist()
+    assert b.result == "done"
+    assert later == ["after the loop"]
+
+    # a task parked on a hook point when the model stops did not finish: its result raises RunStopped
+    async def stop_at_1(m):
+        async for step in m.steps():
+            if step == 1:
+                await m.model.layers[0].output
+                m.stop()
+                return step
+
+    async def mid_step(m):
+        async for step in m.steps():
+            if step == 1:
+                await m.model.layers[1].output
+                later.append("unreachable")
+
+    with lm.generate(max_new_tokens=10) as gen:
+        a = gen.invoke(PROMPT, stop_at_1)
+        c = gen.invoke(PROMPT, mid_step)
+    assert a.result == 1
     with pytest.raises(ai.RunStopped):
-        b.result
-    assert later == []
+        c.result
+    assert later == ["after the loop"]
 
 
 def test_stop_during_a_forward_keeps_tokens_of_finished_steps(lm, reference):
@@ -457,3 +479,52 @@ def test_no_references_left_after_many_generations(lm):
     assert sum(r() is not None for r in refs) == 0
     assert hook_count(lm.module) == 0
     assert all(hook_count(p.envoy.module) == 0 for p in lm.generation_points.values())
+
+
+def test_step_slices(lm, reference):
+    ref_tokens, _ = reference
+
+    async def window(m):
+        seen = []
+        async for step in m.steps(2, 5):
+            seen.append((step, int((await m.tokens)[0])))
+        return seen
+
+    async def first_three(m):
+        return [step async for step in m.steps(3)]
+
+    with lm.generate(max_new_tokens=8) as gen:
+        a = gen.invoke(PROMPT, window)
+        b = gen.invoke(PROMPT, first_three)
+    assert a.result == [(s, int(ref_tokens[s])) for s in (2, 3, 4)]
+    assert b.result == [0, 1, 2]
+    assert a.tokens.tolist() == ref_tokens[:8].tolist()   # a loop that ends by its range does not stop generation
+    with pytest.raises(ValueError, match="start at 0"):
+        ai.Steps(-1, 2)
+
+
+def test_break_out_of_steps_ends_the_generation(lm, reference):
+    ref_tokens, _ = reference
+
+    async def until_step_2(m):
+        async for step in m.steps():
+            await m.tokens
+            if step == 2:
+                break
+        return "left"
+
+    gen = lm.generate(PROMPT, until_step_2, max_new_tokens=10)
+    assert gen.result == "left"
+    assert gen.stopped
+    assert gen.tokens.tolist() == ref_tokens[:3].tolist()
+
+    # another intervention still iterating keeps the generation going
+    async def all_steps(m):
+        return len([s async for s in m.steps()])
+
+    with lm.generate(max_new_tokens=6) as run:
+        a = run.invoke(PROMPT, until_step_2)
+        b = run.invoke(PROMPT, all_steps)
+    assert a.result == "left" and b.result == 6
+    assert not a.stopped
+    assert a.tokens.tolist() == ref_tokens[:6].tolist()

@@ -224,9 +224,16 @@ class Model(Envoy):
         from .hooks.grad import backward
         return backward(tensors, **kwargs)
 
-    def steps(self, limit: int | None = None) -> Steps:
-        """``async for step in m.steps():`` one iteration per forward pass (generation step)."""
-        return Steps(limit)
+    def steps(self, start: int | None = None, stop: int | None = None) -> Steps:
+        """``async for step in m.steps():`` one iteration per forward pass (generation step).
+
+        Takes ``range``'s arguments over step numbers (0 is the first pass):
+        ``m.steps(3)`` is steps 0-2, ``m.steps(2, 5)`` steps 2-4, ``m.steps(2, None)``
+        every step from 2 on. Leaving the loop with ``break`` (or ``return``)
+        ends the generation once every intervention of the run has finished
+        (like ``m.stop()``); see docs/generation.md.
+        """
+        return Steps(start, stop)
 
 
 def wrap(module, envoys: dict | None = None) -> Model:

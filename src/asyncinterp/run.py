@@ -71,6 +71,7 @@ class Invoke:
         self.tasks = []
         self.cancelled = False
         self.done = False              # set when the run is over
+        self.background = False        # runs beside the others (persistent edits): does not keep a generation going
 
     @property
     def run(self):
@@ -201,6 +202,7 @@ class Run:
         self.stopped_invokes = set()       # invokes that called m.stop() under stop_per_invoke
         self.context = {}                  # values for this run's interventions and tools (serving: requests)
         self.deferred = False              # invokes are added now and run later (`with model.trace() as run`)
+        self.stepping = False              # the run has steps (generation): leaving m.steps() early may end it
         self.invokes = []
         self.kernel = None
         self.done = False
@@ -459,6 +461,26 @@ class Run:
         finally:
             self._adhoc -= 1
 
+    def left_step_loop(self, task) -> None:
+        """Kernel host: ``task`` finished while inside ``m.steps()`` (it left with ``break``/``return``).
+
+        In a run with steps, that ends the generation (as ``m.stop()`` would)
+        once no other intervention of the run (of the task's invoke, under
+        ``stop_per_invoke``) is still live: nobody is left to observe or change
+        later steps. Invokes marked ``background`` (persistent edits) do not count.
+        """
+        if not self.stepping:
+            return
+        scope = task.group if self.stop_per_invoke else None
+        invokes = self.invokes
+        for t in self.kernel.tasks:
+            if t.done or t is task or (scope is not None and t.group != scope):
+                continue
+            if t.group < len(invokes) and invokes[t.group].background:
+                continue
+            return
+        self.stop(scope)
+
     def request_stop(self, task) -> None:
         """``m.stop()`` from ``task``: the whole run, or only its invoke when ``stop_per_invoke``."""
         if task is None:
@@ -490,6 +512,7 @@ class Run:
         ``on_step(step, args, kwargs)`` runs first (e.g. to update the layout).
         """
         calls = [0]
+        self.stepping = True
 
         def pre(mod, args, kwargs):
             if self._adhoc:
@@ -570,9 +593,12 @@ class Run:
                 recorder = None
             if self.cancelled:
                 raise RunCancelled("the run was cancelled; the forward stopped at a hook point and every hook was removed")
+            kernel = self.kernel
             if not self.stopped:
                 self._check_skips()
-                self.kernel.finish()
+                kernel.finish()
+            elif kernel.stop_requested and not kernel.failures:
+                kernel.end_step_loops()   # m.stop(): step loops end cleanly, the code after them runs
         except StopForward:
             self.stopped = True
         finally:

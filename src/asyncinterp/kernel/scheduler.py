@@ -75,7 +75,7 @@ class Task:
     __slots__ = (
         "coro", "group", "order", "name", "consumed", "step", "position",
         "waiting", "abort", "done", "closed", "result", "exc", "joiners", "parent", "observed",
-        "__weakref__",
+        "open_loops", "__weakref__",
     )
 
     def __init__(self, coro, group, order, name, parent=None):
@@ -95,6 +95,7 @@ class Task:
         self.joiners = []
         self.parent = parent
         self.observed = parent is None
+        self.open_loops = 0         # step loops (m.steps()) entered and not yet ended
 
     def __repr__(self):
         return f"<Task {self.name} invoke={self.group} {'done' if self.done else 'live'}>"
@@ -302,6 +303,26 @@ class Kernel:
             if not woke:
                 break
         self.close()
+
+    def end_step_loops(self) -> None:
+        """The run was stopped (``m.stop()``): step loops end cleanly and the code after them runs.
+
+        Like :meth:`finish` for step waiters, but waits on points are left for
+        ``close`` (their tasks did not finish: the run stopped before their point).
+        """
+        if self.cancel_requests:
+            self.apply_cancels()
+        self.finished = True
+        for _ in range(1000):
+            waiting, self.step_waiters = self.step_waiters, []
+            woke = False
+            for task in sorted(waiting, key=lambda t: t.order):
+                if not task.done and task.waiting is not None:
+                    self.reschedule(task)
+                    woke = True
+            self.drain()
+            if not woke:
+                break
 
     # ------------------------------------------------------ per-invoke control
     def cancel_group(self, group) -> None:
@@ -601,6 +622,11 @@ class Kernel:
         for joiner in joiners:  # all still parked on this task: a join given up removes itself
             value, err = self._joined(joiner, task)
             self.reschedule(joiner, value, err)
+        if task.open_loops and exc is None and not self.finished:
+            # it left `async for step in m.steps()` with break (or return): tell the host, which may end the run
+            left = getattr(self.host, "left_step_loop", None)
+            if left is not None:
+                left(task)
 
     def _joined(self, parent, child):
         for key, n in child.consumed.items():

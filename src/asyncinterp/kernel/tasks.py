@@ -53,32 +53,54 @@ async def gather(*awaitables):
 class Steps:
     """``async for step in m.steps()``: one iteration per forward pass (generation step).
 
-    The first iteration is the step the task is in; each later one waits for
-    the next step to begin. The loop ends cleanly when the run ends, and the
-    code after it runs. ``limit`` bounds the number of iterations.
+    Step numbers count forward passes from 0 (the prompt pass of a
+    generation). ``Steps(stop)`` / ``Steps(start, stop)`` take ``range``'s
+    arguments: the loop yields the steps ``start <= step < stop`` (waiting
+    for ``start`` without yielding earlier ones) and ends after ``stop - 1``
+    without waiting for another step. The first iteration is the step the
+    task is in (if it is in range); each later one waits for the next step to
+    begin. The loop ends cleanly when the run ends, and the code after it runs.
     """
 
-    __slots__ = ("_limit", "_count", "_started")
+    __slots__ = ("_start", "_stop", "_started", "_task")
 
-    def __init__(self, limit: int | None = None):
-        self._limit = limit
-        self._count = 0
+    def __init__(self, start: int | None = None, stop: int | None = None):
+        if stop is None:
+            start, stop = 0, start
+        self._start = 0 if start is None else start
+        self._stop = stop
+        if self._start < 0 or (stop is not None and stop < 0):
+            raise ValueError(f"m.steps({start}, {stop}): step numbers start at 0 (the first forward pass)")
         self._started = False
+        self._task = None
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        if self._limit is not None and self._count >= self._limit:
-            raise StopAsyncIteration
-        self._count += 1
         if not self._started:
             self._started = True
             task = current_task()
             if task is None:
                 raise RuntimeError("m.steps() can only be iterated inside an intervention")
-            return task.step
-        step = await trap(StepTrap())
-        if step is None:
+            self._task = task
+            task.open_loops += 1
+            step = task.step
+        else:
+            step = await self._next()
+        while step is not None and step < self._start:
+            step = await self._next()
+        if step is None or (self._stop is not None and step >= self._stop):
+            self._end()
             raise StopAsyncIteration
         return step
+
+    async def _next(self):
+        if self._stop is not None and self._task.step + 1 >= self._stop:
+            return None   # the next step is out of range: end now, in the current step
+        return await trap(StepTrap())
+
+    def _end(self):
+        task, self._task = self._task, None
+        if task is not None:
+            task.open_loops -= 1

@@ -68,7 +68,7 @@ def apply_edits(model, run) -> None:
     if not edits or applied[0]:
         return
     applied[0] = True
-    run.invoke(None, *[_every_step(fn) for fn in edits])
+    run.invoke(None, *[_every_step(fn) for fn in edits]).background = True
     run.invokes.insert(0, run.invokes.pop())
     for i, inv in enumerate(run.invokes):
         inv.index = i

@@ -322,6 +322,7 @@ class WorkerRun(Run):
                 self.req_groups[rid] = inv.index
                 self.group_reqs[inv.index] = rid
         model = self.runner.model
+        self.stepping = True
         self.on_cleanup(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         self.keep_alive(model)
         root = self.model
@@ -491,6 +492,8 @@ class WorkerRun(Run):
             self._stop_recording()
             if kernel is not None and not cancelled and not self.halted:
                 kernel.finish()
+            elif kernel is not None and not cancelled and kernel.stop_requested and not kernel.failures:
+                kernel.end_step_loops()   # m.stop(): step loops end cleanly, the code after them runs
         finally:
             self.cleanup()
         self.done = True
