@@ -442,3 +442,31 @@ def test_wrap_adds_nothing_to_the_module(mlp):
     _ = model.layers[2].output
     assert hook_count(mlp) == 0
     assert set(mlp.__dict__) == set(before)
+
+
+def test_spawned_points_report_the_users_line_and_tracebacks_hide_the_scheduler():
+    import traceback
+    net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    model = ai.wrap(net)
+    x = torch.randn(2, 4)
+
+    async def late_spawn(m):
+        await m[2].output
+        h = await ai.spawn(m[1].output)   # the line the error must name
+        return await h
+
+    with pytest.raises(ai.OutOfOrderError) as info:
+        model.trace(x, late_spawn)
+    line = late_spawn.__code__.co_firstlineno + 2
+    assert f"{__file__}:{line}" in str(info.value)
+    assert "<unknown line>" not in str(info.value)
+
+    async def fails(m):
+        await m[1].output
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError) as info:
+        model.trace(x, fails)
+    frames = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+    assert not any("/asyncinterp/kernel/" in f for f in frames), frames
+    assert frames[-1] == __file__

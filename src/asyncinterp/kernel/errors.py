@@ -8,8 +8,11 @@ below it. Every message says what happened, where, and what to do instead.
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_KERNEL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class AsyncInterpError(Exception):
@@ -52,9 +55,12 @@ def await_site(coro) -> str:
     """``file:line (function)`` of the innermost user frame where ``coro`` is suspended.
 
     Follows ``cr_await`` through nested coroutines (helpers the intervention
-    awaited) down to the frame that awaited one of our awaitables.
+    awaited) down to the frame that awaited one of our awaitables. A sub-task
+    made by ``ai.spawn(point)`` / ``ai.gather`` has no user frame of its own:
+    it reports the line that made it.
     """
     frame = None
+    site = None
     obj = coro
     seen = 0
     while obj is not None and seen < 100:
@@ -64,6 +70,8 @@ def await_site(coro) -> str:
             break
         if not f.f_code.co_filename.startswith(_PKG_DIR):
             frame = f
+        elif site is None and "__ai_site__" in f.f_code.co_varnames:
+            site = f.f_locals.get("__ai_site__")
         nxt = getattr(obj, "cr_await", None)
         if nxt is None:
             nxt = getattr(obj, "gi_yieldfrom", None)
@@ -71,5 +79,39 @@ def await_site(coro) -> str:
             nxt = getattr(obj, "ag_await", None)
         obj = nxt
     if frame is None:
-        return "<unknown line>"
+        return site or "<unknown line>"
     return f"{frame.f_code.co_filename}:{frame.f_lineno} (in {frame.f_code.co_name})"
+
+
+def user_site(depth: int = 1) -> str | None:
+    """``file:line (in function)`` of the innermost caller outside asyncinterp, or ``None``."""
+    f = sys._getframe(depth)
+    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+        f = f.f_back
+    if f is None:
+        return None
+    return f"{f.f_code.co_filename}:{f.f_lineno} (in {f.f_code.co_name})"
+
+
+def without_kernel_frames(exc: BaseException) -> BaseException:
+    """Drop the scheduler's own frames from ``exc``'s traceback (the user's frames stay, in order)."""
+    tb = exc.__traceback__
+    frames = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_KERNEL_DIR):
+            frames.append(tb)
+        tb = tb.tb_next
+    if not frames or len(frames) == _length(exc.__traceback__):
+        return exc
+    new = None
+    for tb in reversed(frames):
+        new = types.TracebackType(new, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
+    return exc.with_traceback(new)
+
+
+def _length(tb) -> int:
+    n = 0
+    while tb is not None:
+        n += 1
+        tb = tb.tb_next
+    return n

@@ -53,6 +53,7 @@ from .errors import (
     OutOfOrderError,
     UnsetFutureError,
     await_site,
+    without_kernel_frames,
 )
 from .host import KernelHost
 from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap
@@ -612,6 +613,7 @@ class Kernel:
         task.abort = None
         task.result = result
         if exc is not None:
+            exc = without_kernel_frames(exc)
             if task.position is not None:
                 exc.add_note(f"asyncinterp: raised in intervention {task.name!r} (invoke {task.group}) "
                              f"after hook point {task.position.describe()}")

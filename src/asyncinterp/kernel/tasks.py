@@ -7,6 +7,7 @@ generation steps.
 
 from __future__ import annotations
 
+from .errors import user_site
 from .scheduler import current_task
 from .traps import SpawnTrap, StepTrap, trap
 
@@ -19,15 +20,21 @@ def spawn(coro, name: str | None = None):
     """
     if not hasattr(coro, "send"):
         if hasattr(coro, "__await__") and not isinstance(coro, type):
-            # a hook point, gradient point or future: wait for it in a sub-task
-            return trap(SpawnTrap(_await(coro), name))
+            # a hook point, gradient point or future: wait for it in a sub-task named after it
+            return trap(SpawnTrap(_await(coro, user_site(2)), name or f"spawn({_describe(coro)})"))
         raise TypeError(f"ai.spawn expects a coroutine object (call your async function) or an awaitable "
                         f"such as a hook point, got {coro!r}")
     return trap(SpawnTrap(coro, name))
 
 
-async def _await(awaitable):
+async def _await(awaitable, __ai_site__=None):
+    # __ai_site__: the user's line that made this sub-task (await_site reports it)
     return await awaitable
+
+
+def _describe(awaitable) -> str:
+    describe = getattr(awaitable, "describe", None)
+    return describe() if callable(describe) else repr(awaitable)
 
 
 async def gather(*awaitables):
@@ -37,8 +44,9 @@ async def gather(*awaitables):
     others are cancelled and the error propagates.
     """
     handles = []
+    site = user_site(2)
     for i, aw in enumerate(awaitables):
-        handles.append(await spawn(_await(aw), name=f"gather[{i}]"))
+        handles.append(await spawn(_await(aw, site), name=f"gather[{i}] {_describe(aw)}"))
     results = []
     try:
         for h in handles:
