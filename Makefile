@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.asyncinterp-installed
 
-.PHONY: setup demo test test-fast test-vllm bench bench-quick bench-vllm clean
+.PHONY: setup demo test test-fast test-vllm bench bench-quick bench-vllm docs clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -23,6 +23,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not smollm2 and not vllm and not slow" tests
+
+# API reference from the docstrings (pdoc, warnings are errors) -> build/api/index.html
+docs: setup
+	$(PY) -W error scripts/build_api_docs.py
 
 # vLLM (CPU): scripts/install.sh installs it into $(VENV) through scripts/install_vllm.sh
 test-vllm: setup
