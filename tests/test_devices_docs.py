@@ -12,7 +12,7 @@ def test_devices_page_runs(capsys):
     ns = run_page("devices.md")
     out = capsys.readouterr().out
     assert "(torch.bfloat16, torch.bfloat16)" in out
-    assert "mat1 and mat2 must have the same dtype" in out
+    assert "has dtype torch.float16 but the value it replaces has torch.float32" in out
     assert ns["run"].output.dtype == torch.float16
     assert ns["shapes"]["2.output"].device.type == "meta"
 
@@ -59,26 +59,33 @@ def test_float16_replacement_into_float32_point():
 
     async def assign(m):
         h = await m[0].output
-        m[0].output = h.half()    # no ReplacementError: only structure and shape are checked
-    with pytest.raises(RuntimeError, match="same dtype"):
+        m[0].output = h.half()    # a dtype mismatch is refused at this line
+    with pytest.raises(ai.ReplacementError, match="dtype_change=True") as info:
         model.trace(x, assign)
+    assert "float16" in str(info.value) and "float32" in str(info.value)
 
     seen = []
 
-    async def passed_on(m):
+    async def on_purpose(m):
         h = await m[0].output
-        m[0].output = h.half()
+        m[0].output.replace(h.half(), dtype_change=True)
         seen.append((await m[1].output).dtype)   # the ReLU ran on the float16 value
     with pytest.raises(RuntimeError, match="same dtype"):   # then the float32 Linear after it fails
-        model.trace(x, passed_on)
+        model.trace(x, on_purpose)
     assert seen == [torch.float16]
 
     async def last(m):
         y = await m[2].output
-        m[2].output = y.half()
+        m[2].output.replace(y.half(), dtype_change=True)
     with model.trace() as run:
         run.invoke(x, last)
     assert run.output.dtype == torch.float16
+
+    async def other_device(m):
+        h = await m[0].output
+        m[0].output = h.to("meta")
+    with pytest.raises(ai.ReplacementError, match="is on meta"):
+        model.trace(x, other_device)
 
 
 def test_wrong_shape_is_still_refused_whatever_the_dtype():

@@ -159,11 +159,11 @@ class Firing:
             v = trap.read(v)
         return v
 
-    def replace(self, group, trap, new, shape_change: bool = False):
+    def replace(self, group, trap, new, shape_change: bool = False, dtype_change: bool = False):
         old = self.base_view(group)
         if trap.write is not None:
             new = trap.write(new, old)
-        check_replacement(trap.key.describe(), new, old, shape_change=shape_change)
+        check_replacement(trap.key.describe(), new, old, shape_change=shape_change, dtype_change=dtype_change)
         if self.replaced is None:
             self.replaced = {}
         self.replaced[group] = new
@@ -403,13 +403,13 @@ class Run:
         return new
 
     # --------------------------------- run interface: requests from interventions
-    def replace(self, trap, task, value, shape_change: bool = False) -> None:
+    def replace(self, trap, task, value, shape_change: bool = False, dtype_change: bool = False) -> None:
         firing = self._active.get(trap.key)
         if firing is None:
             raise NotInRunError(
                 f"{trap.describe()} is not firing now: replace it right after `await {trap.describe()}` "
                 "(before the intervention awaits anything else)")
-        firing.replace(task.group, trap, value, shape_change)
+        firing.replace(task.group, trap, value, shape_change, dtype_change)
 
     def skip(self, envoy, task, value) -> None:
         """``envoy.skip(value)``: the module's next call outputs ``value`` for this invoke.

@@ -55,17 +55,18 @@ class Point(PointTrap):
                 "which is where the model delivers them.")
         return (yield self)
 
-    def replace(self, value, *, shape_change: bool = False) -> None:
+    def replace(self, value, *, shape_change: bool = False, dtype_change: bool = False) -> None:
         """Replace this point's value for the current invoke (call right after awaiting it).
 
-        The replacement must have the structure and shapes of the value it
-        replaces; ``shape_change=True`` is the explicit opt-in for another
-        shape (only for an invoke that covers the whole batch).
+        The replacement must have the structure, shapes, dtypes and devices of
+        the value it replaces. ``shape_change=True`` is the explicit opt-in for
+        another shape (only for an invoke that covers the whole batch),
+        ``dtype_change=True`` for another dtype.
         """
         task = current_task()
         if task is None:
             raise NotInRunError(f"{self.describe()} can only be replaced from inside an intervention")
-        current_kernel().host.replace(self, task, value, shape_change)
+        current_kernel().host.replace(self, task, value, shape_change, dtype_change)
 
     set = replace
 

@@ -127,16 +127,27 @@ class BatchLayout(Layout):
         return parts[-1][1] if parts else value
 
 
-def check_replacement(point_name: str, new, old, path: str = "", shape_change: bool = False) -> None:
-    """Raise :class:`ReplacementError` unless ``new`` has the structure and shapes of ``old``.
+def check_replacement(point_name: str, new, old, path: str = "", shape_change: bool = False,
+                      dtype_change: bool = False) -> None:
+    """Raise :class:`ReplacementError` unless ``new`` has the structure, shapes, dtypes and devices of ``old``.
 
-    ``shape_change=True`` (an explicit opt-in) accepts tensors of another shape.
+    ``shape_change=True`` / ``dtype_change=True`` (explicit opt-ins) accept
+    tensors of another shape / dtype.
     """
     where = f"{point_name}{path}"
     if isinstance(old, torch.Tensor):
         if not isinstance(new, torch.Tensor):
             raise ReplacementError(
                 f"replacement for {where} must be a tensor of shape {tuple(old.shape)}, got {type(new).__name__}")
+        if new.device != old.device:
+            raise ReplacementError(
+                f"replacement for {where} is on {new.device} but the value it replaces is on {old.device}; "
+                f"move it there first (`new.to({str(old.device)!r})`, or build it with device=h.device)")
+        if new.dtype != old.dtype and not dtype_change:
+            raise ReplacementError(
+                f"replacement for {where} has dtype {new.dtype} but the value it replaces has {old.dtype}; "
+                f"convert it (`new.to({old.dtype})`), or opt in with "
+                f"`{point_name}.replace(value, dtype_change=True)` to change the dtype on purpose")
         if new.shape != old.shape and not shape_change:
             hint = ""
             if old.dim() >= 2 and tuple(new.shape) == tuple(old.shape[1:]):
@@ -154,10 +165,10 @@ def check_replacement(point_name: str, new, old, path: str = "", shape_change: b
                 f"replacement for {where} must be a {type(old).__name__} of {len(old)} items like the original, "
                 f"got {type(new).__name__}" + (f" of {len(new)}" if isinstance(new, (tuple, list)) else ""))
         for i, (n, o) in enumerate(zip(new, old)):
-            check_replacement(point_name, n, o, f"{path}[{i}]", shape_change)
+            check_replacement(point_name, n, o, f"{path}[{i}]", shape_change, dtype_change)
         return
     if isinstance(old, dict):
         if not isinstance(new, dict) or set(new) != set(old):
             raise ReplacementError(f"replacement for {where} must be a mapping with keys {sorted(old)}")
         for k in old:
-            check_replacement(point_name, new[k], old[k], f"{path}[{k!r}]", shape_change)
+            check_replacement(point_name, new[k], old[k], f"{path}[{k!r}]", shape_change, dtype_change)
