@@ -107,7 +107,9 @@ def test_repeated_calls_give_lists_and_steps(net):
     assert c.all("inner.head.output")[1].shape == (2, 4)
     assert c.steps_of("inner.head.output") == [0, 0]
     assert len(c.step(0).all("inner.head.output")) == 2
-    assert len(c.step(1)) == 0 and len(c) == 1             # step() copies; the cache keeps its values
+    assert len(c.step(0)) == 1 and len(c) == 1             # step() copies; the cache keeps its values
+    with pytest.raises(IndexError, match=r"nothing was recorded in step 1; recorded steps: \[0\]"):
+        c.step(1)
     assert list(c.recorded) == c.keys() == ["inner.head.output"]
     assert repr(c.inner) == "<cache entries under 'inner': 1 keys>"
     with pytest.raises(AttributeError, match="the cache has nothing under 'inner.tail'"):
@@ -144,3 +146,87 @@ def test_cache_page_runs(capsys):
     out = capsys.readouterr().out
     assert "model.layers.0.output: Tensor(2, 6, 32)" in out and "[0, 1, 2]" in out
     assert ns["a"].model.layers[1].output.abs().sum() == 0
+
+
+# ------------------------------------------------------------ lookups fail like lists and dicts
+def test_lookups_raise_key_and_index_errors_with_suggestions(net):
+    model = ai.wrap(net)
+    c = ai.cache(model, torch.randn(2, 8), "layers.*")
+    with pytest.raises(KeyError, match=r"'layers\.1\.outptu' is not in this cache; did you mean one of \['layers\.1\.output'"):
+        c["layers.1.outptu"]
+    with pytest.raises(KeyError, match="did you mean"):
+        c["nothing.here"]                                   # was a silent empty node
+    with pytest.raises(KeyError):
+        c.all("layers.1")
+    with pytest.raises(KeyError):
+        c[3]
+    with pytest.raises(IndexError, match="nothing under 'layers.99'"):
+        c.layers[99]
+    with pytest.raises(KeyError, match="nothing under 'layers.1.outptu'"):
+        c.layers[1]["outptu"]
+    with pytest.raises(KeyError, match=r"nothing under 'layrs'.*did you mean"):
+        c.layrs                                             # was a silent empty node
+    with pytest.raises(AttributeError):                     # also an AttributeError: hasattr works
+        c.layers[1].outptu
+    assert not hasattr(c, "layrs") and hasattr(c, "layers")
+    assert getattr(c.layers, "nope", None) is None
+    with pytest.raises(IndexError, match="recorded steps: \\[0\\]"):
+        c.step(5)
+    assert len(c.step(-1)) == len(c)
+    with pytest.raises(IndexError):
+        c.step(-2)
+    with pytest.raises(KeyError, match="empty"):
+        ai.Cache()["layers.0.output"]
+    assert str(KeyError) and "did you mean" in str(pytest.raises(KeyError, c.__getitem__, "layers.0.outpt").value)
+
+
+# ------------------------------------------------------------ recording partway through a run
+def test_start_and_stop_from_an_intervention(net):
+    model = ai.wrap(net)
+    x = torch.randn(2, 8)
+    c = ai.Cache("layers.*", start=False)
+
+    async def window(m):
+        await m.layers[1].output
+        c.start()                       # layer 1 on: the cache is on when the model continues past it
+        await m.layers[3].output
+        c.stop()                        # layer 3 off, for the same reason
+
+    model.trace(x, c, window)
+    assert c.keys() == ["layers.1.output", "layers.2.output"]
+    full = ai.cache(model, x, "layers.*")
+    assert torch.equal(c.layers[2].output, full.layers[2].output)
+
+    model.trace(x, c)                   # start()/stop() of an earlier run do not carry over: starts paused
+    assert len(c) == 0
+
+    on = ai.Cache("layers.*")
+
+    async def stop_early(m):
+        await m.layers[0].output
+        on.stop()
+
+    model.trace(x, on, stop_early)
+    assert on.keys() == []              # stopped inside layer 0's firing: nothing recorded
+
+
+def test_steps_option_records_only_those_generation_steps():
+    pytest.importorskip("asyncinterp.models.hf.language")
+    from asyncinterp.models import tiny
+    lm = tiny("gpt2")
+    every = ai.Cache(["lm_head"])
+    later = ai.Cache(["lm_head"], steps=slice(1, None))
+    odd = ai.Cache(["lm_head"], steps=range(1, 10, 2))
+    one = ai.Cache(["lm_head"], steps=2)
+    with lm.generate(max_new_tokens=4) as run:
+        run.invoke("Hello world", every, later, odd, one)
+    assert every.steps_of("lm_head.output") == [0, 1, 2, 3]
+    assert later.steps_of("lm_head.output") == [1, 2, 3]
+    assert odd.steps_of("lm_head.output") == [1, 3]
+    assert one.steps_of("lm_head.output") == [2]
+    for s in (1, 2, 3):
+        assert torch.equal(later.step(s).lm_head.output, every.step(s).lm_head.output)
+    with pytest.raises(IndexError):
+        later.step(0)
+    with pytest.raises(TypeError):
+        ai.Cache(steps=1.5)

@@ -286,3 +286,237 @@ def test_gradients_page_runs(capsys):
     out = capsys.readouterr().out
     assert "torch.Size([3, 8])" in out and "tensor(0.)" in out and "already ran" in out
     assert len(ns["scores"]) == 4
+
+
+# ------------------------------------------------ several backward passes through one forward
+def _two_losses(net, x, layer=2):
+    saved, out = _hand_grads(net, x, layer)
+    w1 = torch.autograd.grad(out.sum(), saved["h"], retain_graph=True)[0]
+    w2 = torch.autograd.grad(out.pow(2).sum(), saved["h"])[0]
+    assert not torch.equal(w1, w2)
+    return w1, w2
+
+
+async def _two_backwards(m):
+    out = await m.output
+    await m.backward(out.sum(), retain_graph=True)
+    await m.backward(out.pow(2).sum())
+
+
+def test_two_backwards_one_task_awaiting_twice(net):
+    x = _x()
+    model = ai.wrap(net)
+    w1, w2 = _two_losses(net, x)
+
+    async def reader(m):
+        a = await m.layers[2].output.grad
+        b = await m.layers[2].output.grad
+        return a, b
+
+    with model.trace() as run:
+        inv = run.invoke(x, reader, reader, _two_backwards)   # two tasks, each reads both
+    (a, b), (c, d), _ = inv.result
+    assert torch.equal(a, w1) and torch.equal(b, w2)
+    assert torch.equal(c, w1) and torch.equal(d, w2)
+
+
+def test_two_backwards_spawned_or_gathered_bind_to_successive_passes(net):
+    """Was a silent wrong number: both sub-tasks bound to the first backward pass."""
+    x = _x()
+    model = ai.wrap(net)
+    w1, w2 = _two_losses(net, x)
+
+    async def spawned(m):
+        g1 = await ai.spawn(m.layers[2].output.grad)
+        g2 = await ai.spawn(m.layers[2].output.grad)
+        await _two_backwards(m)
+        return await g1, await g2
+
+    async def gathered(m):
+        both = await ai.spawn(ai.gather(m.layers[2].output.grad, m.layers[2].output.grad))
+        await _two_backwards(m)
+        return await both
+
+    async def spawned_between(m):      # a sub-task spawned right before the second backward
+        g1 = await ai.spawn(m.layers[2].output.grad)
+        out = await m.output
+        await m.backward(out.sum(), retain_graph=True)
+        g2 = await ai.spawn(m.layers[2].output.grad)
+        await m.backward(out.pow(2).sum())
+        return await g1, await g2
+
+    for fn in (spawned, gathered, spawned_between):
+        a, b = model.trace(x, fn)
+        assert torch.equal(a, w1) and torch.equal(b, w2), fn.__name__
+
+
+def test_two_backwards_in_separate_traces(net):
+    x = _x()
+    model = ai.wrap(net)
+    w1, w2 = _two_losses(net, x)
+
+    async def one(m, loss_fn):
+        g = await ai.spawn(m.layers[2].output.grad)
+        await m.backward(loss_fn(await m.output))
+        return await g
+
+    assert torch.equal(model.trace(x, lambda m: one(m, lambda o: o.sum())), w1)
+    assert torch.equal(model.trace(x, lambda m: one(m, lambda o: o.pow(2).sum())), w2)
+
+
+def test_grad_await_for_a_computation_that_already_happened_is_loud(net):
+    model = ai.wrap(net)
+
+    async def fn(m):
+        g1 = await ai.spawn(m.layers[2].output.grad)
+        out = await m.output
+        await m.backward(out.sum(), retain_graph=True)
+        await g1
+        await m.layers[2].output.grad      # the task's await #2: binds to the 2nd backward (never comes)
+
+    with pytest.raises(ai.MissedHookPoint, match=r"await m\.backward\(loss\)"):
+        model.trace(_x(), fn)
+
+
+def test_grad_without_backward_names_backward(net):
+    model = ai.wrap(net)
+
+    async def reader(m):
+        return await m.layers[2].output.grad
+
+    with pytest.raises(ai.MissedHookPoint, match=r"start one inside the same run with `await m\.backward\(loss\)`"):
+        model.trace(_x(), reader)
+
+
+@pytest.mark.xfail(strict=True, reason="needs scheduler hint")
+def test_missed_grad_point_hint_comes_from_the_scheduler(net):
+    """When kernel/scheduler.py appends `getattr(trap, "hint", "")`, the hint is in the message without
+    GradPoint.__await__ adding it (this test checks the scheduler path alone)."""
+    from asyncinterp.hooks.grad import GradPoint
+    model = ai.wrap(net)
+
+    async def reader(m):
+        # bypass GradPoint.__await__'s own augmentation: yield the trap as the scheduler sees it
+        return await _RawAwait(m.layers[2].output.grad)
+
+    with pytest.raises(ai.MissedHookPoint) as info:
+        model.trace(_x(), reader)
+    assert GradPoint.hint in str(info.value)
+
+
+class _RawAwait:
+    def __init__(self, trap):
+        self.trap = trap
+
+    def __await__(self):
+        return (yield self.trap)
+
+
+# ------------------------------------------------ ai.gradients: several points, one await
+def test_gradients_equals_autograd_grad(net):
+    x = _x()
+    model = ai.wrap(net)
+
+    async def fn(m):
+        grads = ai.gradients(m.layers[1].output, m.layers[3].output, m.layers[3].input)
+        out = await m.output
+        return await grads.backward(out.pow(2).sum())
+
+    net.zero_grad()
+    got = model.trace(x, fn)
+    assert all(p.grad is None for p in net.parameters())     # like torch.autograd.grad: nothing accumulated
+    saved = {}
+    hs = [net.layers[1].register_forward_hook(lambda mod, a, o: saved.update(h1=o)),
+          net.layers[3].register_forward_hook(lambda mod, a, o: saved.update(h3=o)),
+          net.layers[3].register_forward_pre_hook(lambda mod, a: saved.update(i3=a[0]))]
+    out = net(x)
+    for h in hs:
+        h.remove()
+    want = torch.autograd.grad(out.pow(2).sum(), [saved["h1"], saved["h3"], saved["i3"]])
+    assert len(got) == 3
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_gradients_edit_and_invoke_rows(net):
+    x1, x2 = _x(2, 1), _x(3, 2)
+    model = ai.wrap(net)
+    got = {}
+
+    async def mine(m):
+        grads = ai.gradients(m.layers[1].output, m.layers[3].output)
+        out = await m.output
+        got["a"] = await grads.backward(out.pow(2).sum(), edit={m.layers[3].output: lambda g: g.mul_(0.5)})
+
+    async def other(m):
+        await m.output
+
+    with model.trace() as run:
+        run.invoke(x1, mine)
+        run.invoke(x2, other)
+    g1, g3 = got["a"]
+    assert g1.shape[0] == 2 and g3.shape[0] == 2
+
+    full = {}
+
+    def hook(g):
+        full["g3"] = g.clone()
+        return g * 0.5
+    saved = {}
+    h1 = net.layers[1].register_forward_hook(lambda mod, a, o: saved.update(h1=o))
+    s, out = _hand_grads(net, torch.cat([x1, x2]), 3, grad_hook=hook)
+    h1.remove()
+    (w1,) = torch.autograd.grad(out.pow(2).sum(), [saved["h1"]])
+    # the returned layer-3 gradient is the one that reached it; layer 1's includes the edit
+    # (the loss covers both invokes' rows; the edit applies to the whole gradient here because every row of
+    # the hand-written run is edited, so compare only this invoke's rows where both agree)
+    assert torch.equal(g3, full["g3"][:2])
+    assert torch.allclose(g1, w1[:2])
+
+
+def test_gradients_misuse_is_loud(net):
+    model = ai.wrap(net)
+
+    async def too_late(m):
+        out = await m.output
+        ai.gradients(m.layers[1].output)
+
+    with pytest.raises(ai.OutOfOrderError):
+        model.trace(_x(), too_late)
+
+    async def inside_the_firing(m):
+        grads = ai.gradients(m.layers[1].output)
+        h = await m.layers[1].output
+        await grads.backward(h.sum())
+
+    with pytest.raises(RuntimeError, match="firing now"):
+        model.trace(_x(), inside_the_firing)
+
+    async def not_in_graph(m):
+        grads = ai.gradients(m.layers[3].output)
+        h = await m.layers[1].output
+        await m.output
+        await grads.backward(h.sum())
+
+    with pytest.raises(ValueError, match="does not depend on layers.3.output"):
+        model.trace(_x(), not_in_graph)
+
+    async def twice(m):
+        grads = ai.gradients(m.layers[1].output)
+        out = await m.output
+        await grads.backward(out.sum(), retain_graph=True)
+        await grads.backward(out.sum())
+
+    with pytest.raises(RuntimeError, match="already called"):
+        model.trace(_x(), twice)
+
+    async def bad_edit(m):
+        grads = ai.gradients(m.layers[1].output)
+        out = await m.output
+        await grads.backward(out.sum(), edit={m.layers[2].output: lambda g: g})
+
+    with pytest.raises(ValueError, match="not among the points"):
+        model.trace(_x(), bad_edit)
+
+    with pytest.raises(ai.NotInRunError):
+        ai.gradients(model.layers[1].output)

@@ -29,7 +29,7 @@ from .model import Model, Trace, wrap
 from .run import Invoke, LateBindingError, Run, RunStopped
 from .kernel.tasks import Steps, gather, spawn
 from .hooks.views import BatchLayout, Layout
-from .hooks.grad import GradPoint, backward
+from .hooks.grad import GradPoint, Gradients, backward, gradients
 from .tools.cache import Cache, cache
 from .tools.scan import ShapeInfo, Shapes, scan
 from .tools.session import Session
@@ -42,7 +42,7 @@ __all__ = [
     "LateBindingError", "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "Steps", "Trace", "UnsetFutureError",
     "gather", "in_loop", "point", "spawn", "wrap",
-    "GradPoint", "backward", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
+    "GradPoint", "Gradients", "backward", "gradients", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
     "Session", "aliases",
 ]
 

@@ -18,11 +18,25 @@ paths, globs or envoys, or a predicate ``f(path, module) -> bool``.
 A point that fired once gives its value; a point that fired several times in
 the run (generation steps, a module called twice) gives a list in call order
 (``cache.all(key)`` always gives the list, ``cache.step(k)`` one step).
+
+Recording partway through a run: ``Cache(..., steps=slice(3, None))`` records
+only those generation steps (an int, a slice, a range or any container of
+step numbers); ``Cache(..., start=False)`` starts paused, and
+``cache.start()`` / ``cache.stop()``, called from an intervention while the
+run goes on, switch recording on and off (a firing is recorded if the cache
+is on when the model continues past it).
+
+Lookups fail like the containers they imitate: a missing key raises
+``KeyError`` (``cache["x"]``, ``cache.all("x")``), a missing index
+``IndexError`` (``cache.model.layers[99]``, ``cache.step(99)``), a missing
+attribute an error that is both ``KeyError`` and ``AttributeError``; each
+message names the closest keys.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import fnmatch
 import re
 
@@ -31,9 +45,35 @@ import torch
 from ..kernel.scheduler import current_kernel, current_task
 from ..hooks.views import map_tensors
 
-__all__ = ["Cache", "KeyNode", "cache"]
+__all__ = ["Cache", "CacheIndexError", "CacheKeyError", "KeyNode", "cache"]
 
 _POINT_NAMES = ("output", "input", "inputs")
+
+
+class CacheKeyError(KeyError, AttributeError):
+    """A key (or attribute) that a cache or scan result does not have.
+
+    A ``KeyError`` like a dict's, and an ``AttributeError`` so that
+    ``hasattr``/``getattr(obj, name, default)`` work on attribute access.
+    """
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+class CacheIndexError(IndexError, AttributeError):
+    """An index (``cache.model.layers[99]``, ``cache.step(99)``) that a cache does not have."""
+
+
+def _close_keys(key, keys, n=5):
+    key = str(key)
+    close = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+    for k in keys:
+        if len(close) >= n:
+            break
+        if (key in k or k.startswith(key)) and k not in close:
+            close.append(k)
+    return close or keys[:n]
 
 
 class Cache:
@@ -48,7 +88,8 @@ class Cache:
     """
 
     def __init__(self, modules=None, *, outputs: bool = True, inputs: bool = False, points=None,
-                 detach: bool = True, device=None, clone: bool = False, include_root: bool = False):
+                 detach: bool = True, device=None, clone: bool = False, include_root: bool = False,
+                 steps=None, start: bool = True):
         if points is None:
             points = (("output",) if outputs else ()) + (("input",) if inputs else ())
         points = (points,) if isinstance(points, str) else tuple(points)
@@ -63,7 +104,39 @@ class Cache:
         self.device = device
         self.clone = clone
         self.include_root = include_root
+        if steps is not None and not isinstance(steps, (int, slice)) and not hasattr(steps, "__contains__"):
+            raise TypeError(f"steps= takes an int, a slice, a range or a container of step numbers, got {steps!r}")
+        if isinstance(steps, slice) and (steps.step or 1) < 1:
+            raise ValueError(f"steps={steps!r}: a slice of steps needs a positive stride")
+        self.steps = steps
+        self.start_on = bool(start)
+        self.recording = self.start_on   # switched by start()/stop() while a run goes on
+        self._switched_in = None         # the kernel of the run where start()/stop() was last called
         self.recorded = {}    # key -> [(step, value), ...]; keys in first-firing order
+
+    # ------------------------------------------------------------ switching
+    def start(self) -> None:
+        """Record from now on (call from an intervention while the run goes on)."""
+        self.recording = True
+        self._switched_in = current_kernel()
+
+    def stop(self) -> None:
+        """Stop recording from now on; what was recorded stays."""
+        self.recording = False
+        self._switched_in = current_kernel()
+
+    def _wants_step(self, step) -> bool:
+        steps = self.steps
+        if steps is None:
+            return True
+        if isinstance(steps, int):
+            return step == steps
+        if isinstance(steps, slice):
+            start = steps.start or 0
+            if step < start or (steps.stop is not None and step >= steps.stop):
+                return False
+            return (step - start) % (steps.step or 1) == 0
+        return step in steps
 
     # ------------------------------------------------------------ recording
     async def __call__(self, m):
@@ -71,6 +144,8 @@ class Cache:
         run = kernel.host
         group = current_task().group
         self.recorded = {}
+        if self._switched_in is not kernel:    # start()/stop() of an earlier run do not carry over
+            self.recording = self.start_on
         selected = select(m, self.filter, self.include_root)
         if not selected:
             raise ValueError(f"the cache filter {self.filter!r} selects no module of this model")
@@ -96,6 +171,8 @@ class Cache:
             return t
 
         def record(value):
+            if not self.recording or not self._wants_step(run.kernel.step):
+                return
             v = run.layout.view(value, group)
             if read is not None:
                 v = read(v)
@@ -132,7 +209,8 @@ class Cache:
 
     def __getitem__(self, key):
         if isinstance(key, str) and key not in self.recorded and not key.endswith(_POINT_NAMES):
-            return KeyNode(self, key, "cache")
+            if any(k.startswith(key + ".") for k in self.recorded):
+                return KeyNode(self, key, "cache")
         entries = self._entries(key)
         if len(entries) == 1:
             return entries[0][1]
@@ -141,20 +219,33 @@ class Cache:
     def _entries(self, key):
         try:
             return self.recorded[key]
-        except KeyError:
+        except (KeyError, TypeError):
             keys = list(self.recorded)
-            close = [k for k in keys if key in k][:5] or keys[:5]
-            raise KeyError(f"{key!r} is not in this cache; keys look like {close}"
-                           + (" (the cache is empty: has it been run?)" if not keys else "")) from None
+            if not keys:
+                raise CacheKeyError(f"{key!r} is not in this cache: the cache is empty (has it been run? did its "
+                                    "filter, steps= or start()/stop() leave nothing to record?)") from None
+            raise CacheKeyError(f"{key!r} is not in this cache; did you mean one of {_close_keys(key, keys)}?"
+                                ) from None
 
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        node = KeyNode(self, name, "cache")
-        return node[None] if name in self.recorded else node
+        if name in self.recorded:
+            return self[name]
+        return KeyNode(self, "", "cache")._sub(name)
 
     def step(self, step: int) -> "Cache":
         """A cache holding only the values recorded in generation step ``step``."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"cache.step() takes a step number, got {step!r}")
+        steps = sorted({s for entries in self.recorded.values() for s, _ in entries})
+        if step < 0:
+            if -step > len(steps):
+                raise CacheIndexError(f"cache.step({step}): the cache holds {len(steps)} step(s): {steps}")
+            step = steps[step]
+        elif step not in steps:
+            raise CacheIndexError(f"cache.step({step}): nothing was recorded in step {step}; recorded steps: "
+                                  f"{steps}" + ("" if steps else " (the cache is empty: has it been run?)"))
         out = copy.copy(self)
         out.recorded = {}
         for k, entries in self.recorded.items():
@@ -201,12 +292,24 @@ class KeyNode:
         if key in table:
             return table[key]
         if not any(k.startswith(key + ".") for k in table):
-            raise AttributeError(f"the {self._what} has nothing under {key!r}; keys look like {list(table)[:5]}")
+            keys = list(table)
+            under = sorted({k[len(self._prefix) + 1:].split(".", 1)[0] for k in keys
+                            if k.startswith(self._prefix + ".")} if self._prefix else
+                           {k.split(".", 1)[0] for k in keys})
+            msg = f"the {self._what} has nothing under {key!r}"
+            if under:
+                msg += f"; under {self._prefix or 'its root'!r} it has {under[:10]}"
+            msg += f"; did you mean one of {_close_keys(key, keys)}?" if keys else f"; the {self._what} is empty"
+            if isinstance(name, int):
+                raise CacheIndexError(msg)
+            raise CacheKeyError(msg)
         return KeyNode(table, key, self._what)
 
     def __getitem__(self, index):
         if index is None:
             return self._table[self._prefix]
+        if isinstance(index, bool) or not isinstance(index, (int, str)):
+            raise TypeError(f"{self._what} entries are indexed by module index or name, got {index!r}")
         return self._sub(index)
 
     def __getattr__(self, name):
