@@ -388,7 +388,6 @@ def test_grad_without_backward_names_backward(net):
         model.trace(_x(), reader)
 
 
-@pytest.mark.xfail(strict=True, reason="needs scheduler hint")
 def test_missed_grad_point_hint_comes_from_the_scheduler(net):
     """When kernel/scheduler.py appends `getattr(trap, "hint", "")`, the hint is in the message without
     GradPoint.__await__ adding it (this test checks the scheduler path alone)."""

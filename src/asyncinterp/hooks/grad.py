@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernel.errors import MissedHookPoint, NotInRunError, OutOfOrderError
+from ..kernel.errors import NotInRunError, OutOfOrderError
 from ..kernel.scheduler import TaskHandle, current_kernel, current_task
 from ..kernel.traps import CallTrap, trap
 from .modules import tensor_version
@@ -118,12 +118,7 @@ class GradPoint(Point):
                 "time(s). Await gradient points (or `ai.spawn` them) before the backward pass that computes "
                 "them starts")
         task.consumed[key] = n
-        try:
-            return (yield self)
-        except MissedHookPoint as err:
-            if self.hint not in str(err):   # the scheduler may append the hint itself one day
-                err.args = (f"{err.args[0] if err.args else ''}{self.hint}",) + tuple(err.args[1:])
-            raise
+        return (yield self)   # a missed gradient point's error carries self.hint (the scheduler appends it)
 
     # ------------------------------------------------------------ run host side
     def activate_in(self, run, task) -> None:

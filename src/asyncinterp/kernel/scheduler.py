@@ -453,7 +453,7 @@ class Kernel:
                         "to read the next call of a module await the point again")
             err = MissedHookPoint(
                 f"{trap.describe()}{nth}, awaited at {await_site(task.coro)}, never ran {when} "
-                f"(step {self.step}){hint}")
+                f"(step {self.step}){hint}{getattr(trap, 'hint', '')}")
             self.reschedule(task, None, err)
             woke = True
         return woke
