@@ -114,7 +114,7 @@ class Model(Envoy):
         """Record the module call order during the next forward (this thread only); ``stop()`` it after."""
         order = CallOrder()
         object.__setattr__(self, "call_order", order)
-        return OrderRecorder(self._module, order).__enter__()
+        return OrderRecorder(self.module, order).__enter__()
 
     def finish_order_recording(self, recorder) -> None:
         recorder.stop()
@@ -129,7 +129,7 @@ class Model(Envoy):
         """Batch the invokes' inputs, set the run's layout, return the forward callable."""
         args, kwargs, layout = batch_inputs([inv.input for inv in run.invokes])
         run.layout = layout
-        module = self._module
+        module = self.module
         extra = forward_kwargs(run.invokes)
         if extra:
             check_forward_kwargs(module, extra)

@@ -242,7 +242,8 @@ class Run:
     # ------------------------------------------------ run interface: points
     def activate(self, trap, task) -> None:
         """Kernel host: the first wait on ``trap``; the point installs itself (``trap.activate_in``)."""
-        trap.activate_in(self, task)
+        if trap.key not in self._installed:   # a module point already hooked in this run: nothing to do
+            trap.activate_in(self, task)
 
     def install_point(self, point) -> None:
         """Install the torch hook of a module point (base ``.output`` / ``.inputs``); idempotent."""
@@ -293,7 +294,7 @@ class Run:
         order = self.model.call_order
         if order is None:
             return False
-        target, now = trap.order_position(), current_point.order_position()
+        target, now = trap.position, current_point.position
         if target is None or now is None:
             return False
         return order.already_ran(target[0], target[1], now[0], now[1])

@@ -54,9 +54,6 @@ class HookPoint(Point):
                 "the envoy your intervention received")
         run.install_point(self.key)
 
-    def order_position(self):
-        return self.position
-
 
 class point:
     """Descriptor declaring a hook point on an :class:`Envoy` subclass.
@@ -121,49 +118,29 @@ class Envoy:
     input = point(base="inputs", read=_first_arg, write=_with_first_arg,
                   doc="the module's first positional argument")
 
+    #: the wrapped ``nn.Module`` (``module``), its dotted ``path`` (``''`` for the root) as in
+    #: ``named_modules()``, the ``root`` envoy of the tree, the ``parent`` envoy (``None`` for the root),
+    #: and the hook ``points`` made so far by name: plain attributes, read on the hot path.
+    #: (A child module with one of these names is reached with ``envoy.child(name)``.)
+
     def __init__(self, module, path: str, root: "Envoy | None" = None, parent: "Envoy | None" = None):
         init = object.__setattr__
-        init(self, "_module", module)
-        init(self, "_path", path)
-        init(self, "_root", root if root is not None else self)
-        init(self, "_parent", parent)
+        init(self, "module", module)
+        init(self, "path", path)
+        init(self, "root", root if root is not None else self)
+        init(self, "parent", parent)
         init(self, "_children", {})
-        init(self, "_points", {})
+        init(self, "points", {})
 
     # --------------------------------------------------------------- tree
-    @property
-    def path(self) -> str:
-        """Dotted module path (``''`` for the root), as in ``named_modules()``."""
-        return self._path
-
-    @property
-    def module(self):
-        """The wrapped ``nn.Module`` itself."""
-        return self._module
-
-    @property
-    def root(self) -> "Envoy":
-        """The root envoy (the wrapped model) of this tree."""
-        return self._root
-
-    @property
-    def parent(self) -> "Envoy | None":
-        """The envoy of the parent module (``None`` for the root)."""
-        return self._parent
-
-    @property
-    def points(self) -> dict:
-        """This envoy's hook points made so far, by name (points are made on first access and cached)."""
-        return self._points
-
     def reattached(self, root: "Envoy", parent: "Envoy | None") -> "Envoy":
         """A copy of this envoy (same module and path) hung under another root, with no children or points yet."""
         e = copy.copy(self)
         init = object.__setattr__
-        init(e, "_root", e if root is None else root)
-        init(e, "_parent", parent)
+        init(e, "root", e if root is None else root)
+        init(e, "parent", parent)
         init(e, "_children", {})
-        init(e, "_points", {})
+        init(e, "points", {})
         return e
 
     def envoy_class_for(self, module) -> type:
@@ -173,21 +150,21 @@ class Envoy:
     def _child(self, name: str) -> "Envoy":
         child = self._children.get(name)
         if child is None:
-            module = submodules(self._module)[name]
-            path = f"{self._path}.{name}" if self._path else name
-            root = self._root
+            module = submodules(self.module)[name]
+            path = f"{self.path}.{name}" if self.path else name
+            root = self.root
             child = root.envoy_class_for(module)(module, path, root, self)
             self._children[name] = child
         return child
 
     def child(self, name: str) -> "Envoy":
         """The child envoy ``name`` (use for children whose names clash with hook points)."""
-        if name not in submodules(self._module):
+        if name not in submodules(self.module):
             raise self._missing(name)
         return self._child(name)
 
     def __getattr__(self, name: str):
-        module = object.__getattribute__(self, "_module")
+        module = object.__getattribute__(self, "module")
         if name in submodules(module):
             return self._child(name)
         if name.startswith("__"):
@@ -203,9 +180,9 @@ class Envoy:
         raise self._missing(name) from None
 
     def _missing(self, name):
-        names = list(submodules(self._module))
+        names = list(submodules(self.module))
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-        where = self._path or type(self._module).__name__
+        where = self.path or type(self.module).__name__
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         listing = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
         return ModulePathError(
@@ -220,7 +197,7 @@ class Envoy:
             attr.fset(self, value)
             return
         raise AttributeError(
-            f"cannot set {name!r} on envoy {self._path or '<root>'}: only hook points "
+            f"cannot set {name!r} on envoy {self.path or '<root>'}: only hook points "
             f"(e.g. .output, .input) can be assigned, inside an intervention")
 
     def __getitem__(self, index):
@@ -228,7 +205,7 @@ class Envoy:
             child = self._children.get(str(index))
             if child is not None:
                 return child
-        keys = list(submodules(self._module))
+        keys = list(submodules(self.module))
         if isinstance(index, str):
             return self.child(index)
         if isinstance(index, slice):
@@ -236,13 +213,13 @@ class Envoy:
         try:
             return self._child(keys[index])
         except IndexError:
-            raise ModulePathError(f"{self._path or '<root>'} has {len(keys)} submodules; index {index} is out of range") from None
+            raise ModulePathError(f"{self.path or '<root>'} has {len(keys)} submodules; index {index} is out of range") from None
 
     def __len__(self):
-        return len(submodules(self._module))
+        return len(submodules(self.module))
 
     def __iter__(self):
-        for k in list(submodules(self._module)):
+        for k in list(submodules(self.module)):
             yield self._child(k)
 
     def children(self):
@@ -270,15 +247,15 @@ class Envoy:
         """
         kernel = current_kernel()
         if kernel is None:
-            raise NotInRunError(f"{self._path}.skip(...) must be called inside an intervention, before the module runs")
+            raise NotInRunError(f"{self.path}.skip(...) must be called inside an intervention, before the module runs")
         kernel.host.skip(self, current_task(), value)
 
     def __call__(self, *args, **kwargs):
         """Call the module ad hoc: inside a run no hook point fires for this call."""
         kernel = current_kernel()
         if kernel is not None:
-            return kernel.host.call_adhoc(self._module, args, kwargs)
-        return self._module(*args, **kwargs)
+            return kernel.host.call_adhoc(self.module, args, kwargs)
+        return self.module(*args, **kwargs)
 
     # ------------------------------------------------------------ display
     def __repr__(self):
@@ -286,11 +263,11 @@ class Envoy:
 
     def tree(self, depth: int = 0, max_depth: int = 3) -> str:
         """The module tree below this envoy as text (what ``repr`` shows), ``max_depth`` levels deep."""
-        name = self._path.rsplit(".", 1)[-1] if self._path else "<root>"
-        line = "  " * depth + f"{name}: {type(self._module).__name__}"
-        if depth >= max_depth or not submodules(self._module):
-            if submodules(self._module) and depth >= max_depth:
-                line += f" ({len(submodules(self._module))} children)"
+        name = self.path.rsplit(".", 1)[-1] if self.path else "<root>"
+        line = "  " * depth + f"{name}: {type(self.module).__name__}"
+        if depth >= max_depth or not submodules(self.module):
+            if submodules(self.module) and depth >= max_depth:
+                line += f" ({len(submodules(self.module))} children)"
             return line
         kids = list(self)
         lines = [line]

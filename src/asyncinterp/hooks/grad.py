@@ -88,8 +88,7 @@ class GradPoint(Point):
     def __repr__(self):
         return f"<gradient point {self.describe()}>"
 
-    def order_position(self):
-        return None  # backward passes have no place in the forward call order
+    # position stays None: backward passes have no place in the forward call order
 
     def __await__(self):
         kernel = current_kernel()

@@ -8,9 +8,9 @@ else of it:
   the point; installs whatever makes the point fire (a module hook, a tap, a
   tensor hook, a rewritten forward), through the run interface only
   (:class:`~asyncinterp.hooks.host.RunHost`).
-* ``order_position()``: where the point sits in the model's recorded module
-  call order, ``(module, "inputs" | "output")``, or ``None`` when it has no
-  place there (gradients). Used to fail an out-of-order await at once.
+* ``position``: where the point sits in the model's recorded module call
+  order, ``(module, "inputs" | "output")``, or ``None`` when it has no place
+  there (gradients). Used to fail an out-of-order await at once.
 
 Everything users do with a point is shared here: ``await point``, the
 not-in-a-run error, ``point.replace(v)`` / ``point.set(v)``, and ``point.grad``.
@@ -43,6 +43,9 @@ class Point(PointTrap):
     """
 
     __slots__ = ("key", "read", "write", "gradient")
+
+    #: ``(module, "inputs" | "output")`` in the recorded call order, or ``None`` (a subclass sets it)
+    position = None
 
     #: what the not-in-a-run error calls this kind of point
     kind_label = "hook points"
@@ -82,10 +85,6 @@ class Point(PointTrap):
     # --------------------------------------------------------------- run side
     def activate_in(self, run, task) -> None:  # pragma: no cover - every kind overrides it
         raise NotImplementedError(f"{type(self).__name__} does not say how it joins a run")
-
-    def order_position(self):
-        """``(module, "inputs" | "output")`` in the recorded call order, or ``None``."""
-        return None
 
 
 _gradients = {"factory": gradient_of}

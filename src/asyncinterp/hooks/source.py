@@ -445,7 +445,7 @@ def _path(envoy):
 class SourcePoint(Point):
     """An awaitable source-level hook point (``envoy.source.<op>.output`` / ``.inputs``)."""
 
-    __slots__ = ("op", "kind", "envoy", "base_kind")
+    __slots__ = ("op", "kind", "envoy", "base_kind", "position")
 
     kind_label = "source points"
 
@@ -458,16 +458,14 @@ class SourcePoint(Point):
         self.write = None
         self.gradient = None
         self.base_kind = kind
+        # inside the module: after its input, so a point that ran before the module started is out of order
+        self.position = (self.envoy.module, "inputs")
 
     def describe(self) -> str:
         return f"{self.op.describe()}.{self.kind}"
 
     def __repr__(self):
         return f"<source point {self.describe()} (line {self.op.line})>"
-
-    def order_position(self):
-        # inside the module: after its input, so a point that ran before the module started is out of order
-        return self.envoy.module, "inputs"
 
     def activate_in(self, run, task) -> None:
         envoy = self.envoy

@@ -88,7 +88,7 @@ def clone(model):
     new = model.reattached(None, None)   # its own root
     memo = {}
     for k, v in list(vars(new).items()):
-        if k not in ("_root", "_module", "run_lock", "_parent", "_children", "_points"):
+        if k not in ("root", "module", "run_lock", "parent", "_children", "points"):
             object.__setattr__(new, k, _reroot(v, model, new, memo))
     aliases.copy_aliases(model, new)
     return new
