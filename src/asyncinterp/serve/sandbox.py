@@ -42,7 +42,6 @@ import hashlib
 import inspect
 import linecache
 import math
-import re
 import sys
 import threading
 import time
@@ -1000,12 +999,10 @@ def sanitize(value, depth=0, leaves=None, path=()):
     return None
 
 
-_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
-
-
 def scrub(text: str) -> str:
     """Hide memory addresses (``0x7f...``) in text that leaves the server."""
-    return _ADDRESS.sub("0x…", text)
+    from .wire import scrub_addresses
+    return scrub_addresses(text)
 
 
 def release(value, depth=0):
@@ -1080,10 +1077,14 @@ class _TaskState:
         self.pending = []
 
     def forget(self, point):
+        """An explicit replacement of ``point``: its pending in-place edits are dropped; returns the value."""
         key = getattr(point, "key", point)
+        raw = None
         for p in self.pending:
             if getattr(p.point, "key", p.point) == key:
                 p.done = True
+                raw = p.raw
+        return raw
 
     def flush(self):
         """Write in-place edits of private copies back through ``point.replace`` (called when the task
@@ -1201,8 +1202,9 @@ class SafePoint:
         point = object.__getattribute__(self, "_point")
         new = _to_model(value)
         state = _current_state()
-        if state is not None:
-            state.forget(point)
+        old = state.forget(point) if state is not None else None
+        if isinstance(old, torch.Tensor):
+            _check_replacement(new, old, f"replacement of {point.describe()}")
         return point.replace(new)
 
     set = replace
