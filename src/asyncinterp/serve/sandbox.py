@@ -17,19 +17,28 @@ def`` from clients. Before any model work the source is
    deadline has passed or the request was cancelled, so a runaway Python
    loop ends that request only.
 3. executed with restricted builtins (no ``open``, ``eval``, ``exec``,
-   ``getattr``, ``type``, ``__import__``...) and an import hook that hands
-   out proxy modules exposing an allow-list of attributes: torch's tensor
-   operators but not ``torch.load``/``save``/``from_file``, ``torch.os``,
-   ``torch.hub``, ``torch.set_num_threads`` and friends.
+   ``getattr``, ``type``, ``id``, ``hash``, ``__import__``...) and an import
+   hook that hands out proxy modules holding an allow-list of operations
+   (tensor math, indexing, reductions, shape operations, zero-filled
+   creation). Every tensor submitted code holds is a :class:`PrivateTensor`:
+   a private copy whose ``__torch_function__`` refuses methods, operators,
+   properties and functions outside the same allow-list, checks index bounds
+   and measures every result on meta tensors against one size cap
+   (:data:`MAX_TENSOR_BYTES`) before it is made. Attribute names of known
+   torch operations that are not allowed are refused already at step 1.
 4. given a restricted view of the model (:class:`SafeEnvoy`): submodules,
    hook points, ``skip``, ad-hoc calls, ``steps``/``stop`` — not the
-   ``nn.Module``, its parameters or its methods.
+   ``nn.Module``, its parameters or its methods. Awaited values, ``gather``
+   and ``spawn`` results and ad-hoc call results are private copies of the
+   request's own rows (other objects, e.g. the KV cache, become ``None``);
+   in-place edits of them are written back, checked, through
+   ``point.replace`` when the task next awaits (:class:`_Driven`).
 
 What this does not do (see docs/serving.md, "Security"): Python has no real
 in-process sandbox. A bug in these checks, in CPython or in a torch operator
-may let determined code escape; long-running single C calls (a huge
-``torch.zeros``, ``sum(range(10**12))``) cannot be interrupted; memory is not
-limited. Enable submitted code only for users you would let run code on the
+may let determined code escape; long-running single C calls (a large
+matmul in a loop, ``sum(range(10**7))``) cannot be interrupted; memory of
+Python objects is not limited (tensors are, one by one). Enable submitted code only for users you would let run code on the
 machine, or run the server in a container/VM with no secrets.
 """
 
