@@ -42,7 +42,7 @@ import uuid
 import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -365,6 +365,13 @@ class Server:
             fields["error"] = fail.error.get("type")
             fields["error_kind"] = fail.kind
             response = _error_response(fail)
+        except ClientDisconnect:
+            # the client went away while sending its body: nothing to answer, nothing went wrong here
+            status = 499
+            fields["disconnected"] = True
+            fields["error_kind"] = "client_disconnect"
+            response = Response(status_code=499)
+            log.info("client disconnected while sending its request body", extra={"fields": dict(fields)})
         except Exception as exc:  # noqa: BLE001 - never crash; report
             log.exception("internal error", extra={"fields": {"request_id": rid}})
             status = 500

@@ -90,7 +90,7 @@ def _body(input, intervention, params, timeout, extra=None):
 
 def _decode_response(status, content):
     try:
-        obj = wire.unpackb(content, wire.Limits(max_bytes=max(len(content), 1)))
+        obj = wire.unpackb(content, wire.answer_limits(len(content)))
     except wire.WireError:
         text = content[:500].decode("utf-8", "replace")
         raise RemoteError("HTTPError", f"HTTP {status}: {text}", status=status) from None
@@ -157,7 +157,7 @@ class Client(_Base):
                                timeout=self._http_timeout(timeout)) as r:
             if r.status_code != 200:
                 _decode_response(r.status_code, r.read())
-            unpacker = wire.stream_unpacker()
+            unpacker = wire.stream_unpacker(wire.STREAM_ANSWER_LIMITS)
             for chunk in r.iter_bytes():
                 unpacker.feed(chunk)
                 for obj in unpacker:
@@ -210,7 +210,7 @@ class AsyncClient(_Base):
                                      timeout=self._http_timeout(timeout)) as r:
             if r.status_code != 200:
                 _decode_response(r.status_code, await r.aread())
-            unpacker = wire.stream_unpacker()
+            unpacker = wire.stream_unpacker(wire.STREAM_ANSWER_LIMITS)
             async for chunk in r.aiter_bytes():
                 unpacker.feed(chunk)
                 for obj in unpacker:

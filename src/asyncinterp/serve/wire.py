@@ -23,6 +23,7 @@ asyncinterp's or torch's, see :func:`encode_error`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 import traceback as _traceback
@@ -70,6 +71,22 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def answer_limits(nbytes: int) -> Limits:
+    """Limits for decoding a server's answer of ``nbytes`` bytes: bounded by its size only.
+
+    The server encodes answers without the request-side bounds (a 70,000-item
+    list or a 2 MiB string is a valid result), so a client decoding them with
+    :data:`DEFAULT_LIMITS` would refuse valid answers. Every item, character
+    and tensor element takes at least one byte, so the size bounds them all.
+    """
+    n = max(int(nbytes), 1)
+    return Limits(max_bytes=n, max_tensor_elements=n, max_tensor_dims=64, max_container_items=n, max_str_len=n,
+                  max_depth=MAX_DEPTH + 2)
+
+
+STREAM_ANSWER_LIMITS = answer_limits(1 << 30)
 
 
 # --------------------------------------------------------------------------- tensors
@@ -279,6 +296,14 @@ def own_traceback(exc: BaseException) -> list:
     return [line.rstrip("\n") for line in _traceback.format_list(frames)]
 
 
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+
+
+def scrub_addresses(text: str) -> str:
+    """Memory addresses (``0x7f...`` in object reprs) hidden from text that leaves the server."""
+    return _ADDRESS.sub("0x…", text)
+
+
 def encode_error(exc: BaseException, kind: str | None = None) -> dict:
     """A wire map for an exception: its type, message, notes and own traceback lines."""
     message = str(exc)
@@ -286,9 +311,9 @@ def encode_error(exc: BaseException, kind: str | None = None) -> dict:
         message = f"{message}: " + "; ".join(f"{type(e).__name__}: {e}" for e in exc.exceptions)
     out = {
         "type": type(exc).__name__,
-        "message": message,
-        "traceback": own_traceback(exc),
-        "notes": [str(n) for n in getattr(exc, "__notes__", ()) or ()],
+        "message": scrub_addresses(message),
+        "traceback": [scrub_addresses(line) for line in own_traceback(exc)],
+        "notes": [scrub_addresses(str(n)) for n in getattr(exc, "__notes__", ()) or ()],
     }
     if kind is not None:
         out["kind"] = kind
