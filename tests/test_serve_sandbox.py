@@ -255,3 +255,14 @@ def test_replacements_must_be_tensors(model):
 
 
 SAME_PROMPT = "Hello there world"
+
+
+def test_out_of_order_inside_submitted_code_names_its_line():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model = ai.wrap(net)
+    source = "async def f(m):\n    await m[2].output\n    await m[0].output\n"
+    fn, _ = Program(source).bind({})
+    with pytest.raises(ai.OutOfOrderError) as info:
+        model.trace(torch.randn(2, 4), fn)
+    assert "<unknown line>" not in str(info.value)
+    assert ":3 (in f)" in str(info.value)

@@ -77,6 +77,8 @@ def await_site(coro) -> str:
             nxt = getattr(obj, "gi_yieldfrom", None)
         if nxt is None:
             nxt = getattr(obj, "ag_await", None)
+        if nxt is None and "__ai_inner__" in f.f_code.co_varnames:
+            nxt = f.f_locals.get("__ai_inner__")   # a driver that steps an inner coroutine by hand
         obj = nxt
     if frame is None:
         return site or "<unknown line>"

@@ -1129,6 +1129,7 @@ class _Driven:
 
     def __await__(self):
         coro, state = self.coro, _TaskState()
+        __ai_inner__ = coro   # lets await_site find the user's line inside the driven coroutine
         stack = getattr(_LOCAL, "stack", None)
         if stack is None:
             stack = _LOCAL.stack = []
