@@ -7,7 +7,7 @@ import sys
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-SCRIPTS = ["lm_quickstart.py", "causal_tracing.py", "steering_generation.py", "logit_lens.py"]
+SCRIPTS = ["lm_quickstart.py", "causal_tracing.py", "steering_generation.py", "logit_lens.py", "sae_splice.py"]
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import threading
 
 from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
 from .hooks.envoy import Envoy
+from .hooks.modules import submodules
 from .kernel.errors import NotInRunError
 from .kernel.scheduler import current_kernel, current_task
 from .hooks.order import CallOrder, OrderRecorder
@@ -95,6 +96,7 @@ class Model(Envoy):
         init(self, "call_order", None)      # the recorded module call order (hooks/order.py), after a first run
         init(self, "_envoy_classes", dict(envoys or {}))
         init(self, "_edits", ())
+        init(self, "attachments", {})       # name -> envoy of a module attached with attach()
 
     # ------------------------------------------------------------ structure
     def envoy_class_for(self, module):
@@ -153,6 +155,37 @@ class Model(Envoy):
         """A :class:`~asyncinterp.tools.session.Session` whose runs default to this model."""
         from .tools.session import Session
         return Session(self, keep=keep)
+
+    # ------------------------------------------------------------- attached
+    def attach(self, name: str, module) -> Envoy:
+        """Attach a new module (an SAE, a probe, a transcoder) to this wrapped model as ``m.<name>``.
+
+        The wrapped ``nn.Module`` is not changed. Inside a run, calling
+        ``m.<name>(x)`` runs ``module`` for real, so its own hook points fire:
+        another task (or a sub-task: ``ai.spawn(m.sae.encoder.output)``) can
+        await them, read and replace them like any point. Splice it into the
+        model by replacing a point with its output, in an intervention or in a
+        persistent edit (``model.edit``). Returns the new envoy.
+        """
+        import torch
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"model.attach({name!r}, ...) needs an nn.Module, got {type(module).__name__}")
+        if not name.isidentifier() or name.startswith("_"):
+            raise ValueError(f"model.attach: {name!r} must be a Python identifier not starting with '_'")
+        if name in submodules(self.module) or name in self.attachments or hasattr(type(self), name) \
+                or hasattr(self.module, name):
+            raise ValueError(f"model.attach: {name!r} is already a submodule or attribute of this model; "
+                             "choose another name")
+        envoy = self.envoy_class_for(module)(module, name, self, self)
+        object.__setattr__(envoy, "attached", True)
+        self.attachments[name] = envoy
+        return envoy
+
+    def detach(self, name: str) -> None:
+        """Remove a module attached with :meth:`attach`."""
+        if name not in self.attachments:
+            raise KeyError(f"no module named {name!r} is attached to this model")
+        del self.attachments[name]
 
     # ---------------------------------------------------------------- edits
     def edit(self, fn, inplace: bool = False) -> "Model":

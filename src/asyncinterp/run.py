@@ -34,7 +34,7 @@ from .hooks.modules import (
 )
 from .hooks.views import Layout, check_replacement
 from .kernel.futures import Future
-from .kernel.scheduler import Kernel, callable_name
+from .kernel.scheduler import Kernel, callable_name, current_task
 from .kernel.traps import PointTrap
 
 
@@ -218,6 +218,7 @@ class Run:
         self._adhoc = 0
         self._taps = {}                    # point key -> callbacks seeing each firing's final value
         self._pending_skips = []           # forward swaps of skip(), to check they were applied
+        self._attached_caller = None       # the invoke calling an attached module right now
         self._state = {}                   # owner -> per-run state (Run.state)
 
     # ------------------------------------------------------------- building
@@ -252,9 +253,15 @@ class Run:
         envoy = point.envoy
         module = envoy.module
         if point.base_kind == "output":
-            h = add_forward_hook(module, self.output_hook(point))
+            hook = self.output_hook(point)
         else:
-            h = add_forward_pre_hook(module, self.input_hook(point), with_kwargs=True)
+            hook = self.input_hook(point)
+        if envoy.attached:
+            hook = self._for_invoke(hook, envoy.invoke)
+        if point.base_kind == "output":
+            h = add_forward_hook(module, hook)
+        else:
+            h = add_forward_pre_hook(module, hook, with_kwargs=True)
         self._handles.append(h)
         self._installed.add(point)
         self.keep_ancestors(envoy)
@@ -284,6 +291,14 @@ class Run:
                     if sibling is not None:
                         self.keep_alive(sibling)
                 e = e.parent
+
+    def _for_invoke(self, hook, group):
+        """A hook of an attached module's point that fires only for calls made by invoke ``group``."""
+        def attached_hook(module, *rest):
+            if self._attached_caller != group:
+                return None
+            return hook(module, *rest)
+        return attached_hook
 
     def _keepalive(self, module, args):
         if self.cancelled:
@@ -454,6 +469,21 @@ class Run:
         else:
             self._skips.setdefault(module, []).append((task.group, value, f"{envoy.path}.skip(...) at {where}"))
             self.activate(output, task)
+
+    def call_attached(self, envoy, args, kwargs):
+        """Call a module attached to the model (``model.attach``): a real call whose points fire.
+
+        Its points are per invoke: they deliver this call's values to the
+        calling invoke's tasks only (each invoke has its own copy of the
+        attached envoy, see ``Envoy.for_invoke``).
+        """
+        task = current_task()
+        group = envoy.invoke if envoy.invoke is not None else (task.group if task is not None else None)
+        prev, self._attached_caller = self._attached_caller, group
+        try:
+            return envoy.module(*args, **kwargs)
+        finally:
+            self._attached_caller = prev
 
     def call_adhoc(self, module, args, kwargs):
         self._adhoc += 1

@@ -110,6 +110,9 @@ def _with_first_arg(new, inputs):
     return args, {**kwargs, key: new}
 
 
+_INVOKE_COPIES = ("invoke copies",)   # not a string: never clashes with a point name
+
+
 class Envoy:
     """Proxy of one module inside a wrapped model."""
 
@@ -117,6 +120,11 @@ class Envoy:
     inputs = point(doc="(args, kwargs) the module is called with (forward pre-hook)")
     input = point(base="inputs", read=_first_arg, write=_with_first_arg,
                   doc="the module's first positional argument")
+
+    #: True for a module attached to the model (``model.attach``) and its descendants: calls fire points
+    attached = False
+    #: for an attached module inside a run: the invoke whose calls this envoy's points see
+    invoke = None
 
     #: the wrapped ``nn.Module`` (``module``), its dotted ``path`` (``''`` for the root) as in
     #: ``named_modules()``, the ``root`` envoy of the tree, the ``parent`` envoy (``None`` for the root),
@@ -154,6 +162,9 @@ class Envoy:
             path = f"{self.path}.{name}" if self.path else name
             root = self.root
             child = root.envoy_class_for(module)(module, path, root, self)
+            if self.attached:
+                object.__setattr__(child, "attached", True)
+                object.__setattr__(child, "invoke", self.invoke)
             self._children[name] = child
         return child
 
@@ -167,6 +178,9 @@ class Envoy:
         module = object.__getattribute__(self, "module")
         if name in submodules(module):
             return self._child(name)
+        attachments = getattr(self, "attachments", None)   # modules attached to the model (Model.attach)
+        if attachments and name in attachments:
+            return attachments[name].for_invoke()
         if name.startswith("__"):
             raise AttributeError(name)
         try:
@@ -251,11 +265,30 @@ class Envoy:
         kernel.host.skip(self, current_task(), value)
 
     def __call__(self, *args, **kwargs):
-        """Call the module ad hoc: inside a run no hook point fires for this call."""
+        """Call the module ad hoc: inside a run no hook point fires for this call.
+
+        A module attached to the model (``model.attach(name, module)``) is
+        different: calling it is a real call, and its own points fire.
+        """
         kernel = current_kernel()
-        if kernel is not None:
-            return kernel.host.call_adhoc(self.module, args, kwargs)
-        return self.module(*args, **kwargs)
+        if kernel is None:
+            return self.module(*args, **kwargs)
+        if self.attached:
+            return kernel.host.call_attached(self, args, kwargs)
+        return kernel.host.call_adhoc(self.module, args, kwargs)
+
+    def for_invoke(self) -> "Envoy":
+        """An attached module as seen by the current intervention's invoke (its points see that invoke's calls)."""
+        task = current_task()
+        if task is None:
+            return self
+        copies = self.points.setdefault(_INVOKE_COPIES, {})
+        e = copies.get(task.group)
+        if e is None:
+            e = copies[task.group] = self.reattached(self.root, self.parent)
+            object.__setattr__(e, "attached", True)
+            object.__setattr__(e, "invoke", task.group)
+        return e
 
     # ------------------------------------------------------------ display
     def __repr__(self):

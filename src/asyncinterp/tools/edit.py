@@ -88,9 +88,12 @@ def clone(model):
     new = model.reattached(None, None)   # its own root
     memo = {}
     for k, v in list(vars(new).items()):
-        if k not in ("root", "module", "run_lock", "parent", "_children", "points"):
+        if k not in ("root", "module", "run_lock", "parent", "_children", "points", "attachments"):
             object.__setattr__(new, k, _reroot(v, model, new, memo))
     aliases.copy_aliases(model, new)
+    object.__setattr__(new, "attachments", {})
+    for name, attached in model.attachments.items():   # attached modules come along, on the new root
+        new.attach(name, attached.module)
     return new
 
 
