@@ -164,15 +164,15 @@ class Firing:
         if trap.write is not None:
             new = trap.write(new, old)
         check_replacement(trap.key.describe(), new, old, shape_change=shape_change, dtype_change=dtype_change)
+        if shape_change and not self.layout.covers_all(group):
+            raise ReplacementError(
+                f"{trap.describe()}: a shape-changing replacement must cover the whole batch, but this invoke "
+                "owns only some of its rows; run it as its own trace, or keep the shape")
         if self.replaced is None:
             self.replaced = {}
         self.replaced[group] = new
         self.views.pop(group, None)
         if shape_change:
-            if not self.layout.covers_all(group):
-                raise ReplacementError(
-                    f"{trap.describe()}: a shape-changing replacement must cover the whole batch, but this invoke "
-                    "owns only some of its rows; run it as its own trace, or keep the shape")
             self.reshaped = new
 
     def result(self):

@@ -1,0 +1,145 @@
+"""Misuse that used to give silent wrong numbers is loud now (issue: "No silent wrong numbers").
+
+One test per item; each failed (silently) before the change.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import asyncinterp as ai
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+
+
+X = torch.randn(3, 8)
+
+
+def test_skip_at_the_modules_own_input_is_applied():
+    net = _net()
+    model = ai.wrap(net)
+
+    async def skip_at_input(m):
+        await m[1].input
+        m[1].skip(torch.zeros(3, 8))
+        return await m.output
+
+    expected = net[3](net[2](torch.zeros(3, 8)))
+    assert torch.allclose(model.trace(X, skip_at_input), expected)
+
+
+def test_skip_of_a_module_that_already_ran_raises():
+    model = ai.wrap(_net())
+
+    async def late(m):
+        await m[2].output
+        m[1].skip(torch.zeros(3, 8))
+
+    with pytest.raises(ai.OutOfOrderError, match=r"1\.skip.*already ran"):
+        model.trace(X, late)
+
+    async def late_unhooked(m):        # layer 0 was never hooked: the recorded call order tells
+        await m[3].output
+        m[0].skip(torch.zeros(3, 8))
+
+    with pytest.raises(ai.OutOfOrderError):
+        model.trace(X, late_unhooked)
+
+
+def test_loop_variable_rebound_before_the_run_raises_and_bound_ones_work():
+    net = _net()
+    model = ai.wrap(net)
+    with pytest.raises(ai.LateBindingError, match="'i'"):
+        with model.trace() as run:
+            for i in range(3):
+                async def read(m):
+                    return (await m[i].output).clone()
+                run.invoke(X, read)
+
+    shared = []                      # a shared list mutated inside is not a rebinding
+    invokes = []
+    with model.trace() as run:
+        for i in range(3):
+            async def read_bound(m, i):
+                shared.append(i)
+                return (await m[i].output).clone()
+            invokes.append(run.invoke(X[i:i + 1], functools.partial(read_bound, i=i)))
+    h = X
+    for i, inv in enumerate(invokes):
+        h_i = X[i:i + 1]
+        for layer in net[:i + 1]:
+            h_i = layer(h_i)
+        assert torch.allclose(inv.result, h_i)
+    assert sorted(shared) == [0, 1, 2]
+
+
+def test_trace_keywords_reach_forward_or_are_refused():
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    model = ai.wrap(Scaled())
+    assert torch.equal(model.trace(torch.ones(2), scale=3.0), torch.full((2,), 3.0))
+
+    async def read(m):
+        return await m.output
+    assert torch.equal(model.trace(torch.ones(2), read, scale=2.0), torch.full((2,), 2.0))
+    with pytest.raises(TypeError, match="bogus"):
+        model.trace(torch.ones(2), bogus=1)
+    with pytest.raises(TypeError, match="positionally"):
+        model.trace(torch.ones(2), intervention=read)
+
+
+def test_missing_await_on_a_returned_point_raises():
+    model = ai.wrap(_net())
+
+    async def forgot(m):
+        return m[3].output
+
+    with pytest.raises(TypeError, match="await"):
+        model.trace(X, forgot)
+
+    async def forgot_coroutine(m):
+        async def helper():
+            return 1
+        return helper()
+
+    with pytest.raises(TypeError, match="await"):
+        model.trace(X, forgot_coroutine)
+
+
+def test_row_zero_replacement_says_what_happened():
+    model = ai.wrap(_net())
+
+    async def row0(m):
+        h = await m[1].output
+        m[1].output = h[0]
+
+    with pytest.raises(ai.ReplacementError, match=r"\[0\]"):
+        model.trace(X, row0)
+
+
+def test_shape_change_is_an_explicit_opt_in():
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Flatten(0))
+    model = ai.wrap(net)
+
+    async def reshape(m):
+        h = await m[0].output
+        m[0].output.replace(h[:, :4], shape_change=True)
+        return await m.output
+
+    assert model.trace(X, reshape).shape == (12,)
+
+    async def partial(m):
+        h = await m[0].output
+        m[0].output.replace(h[:, :4], shape_change=True)
+
+    with pytest.raises(ExceptionGroup) as info:
+        with model.trace() as run:
+            run.invoke(X[:1], partial)
+            run.invoke(X[1:], partial)
+    assert all(isinstance(e, ai.ReplacementError) and "whole batch" in str(e) for e in info.value.exceptions)
