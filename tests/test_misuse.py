@@ -143,3 +143,52 @@ def test_shape_change_is_an_explicit_opt_in():
             run.invoke(X[:1], partial)
             run.invoke(X[1:], partial)
     assert all(isinstance(e, ai.ReplacementError) and "whole batch" in str(e) for e in info.value.exceptions)
+
+
+def test_editing_a_held_value_after_the_model_moved_on_warns():
+    net = _net()
+    model = ai.wrap(net)
+    x = X[:1]
+    later = ai.Future()
+
+    async def holds(m):
+        h = await m[0].output
+        v = await later                    # set at layer 3: layer 0's value is long used
+        h[:] = v                           # lost
+
+    async def sets_late(m):
+        h = await m[3].output
+        later.set_result(torch.zeros_like(h))
+
+    with pytest.warns(ai.StaleEditWarning, match=r"0\.output"):
+        with model.trace() as run:
+            run.invoke(x, holds)
+            run.invoke(x, sets_late)
+
+    # the same pattern at one point is fine: the future is set while the model waits at that point
+    same = ai.Future()
+
+    async def patch(m):
+        h = await m[1].output
+        h[:] = await same
+        return await m.output
+
+    async def record(m):
+        same.set_result(torch.zeros(1, 8))
+        await m[1].output
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ai.StaleEditWarning)
+        with model.trace() as run:
+            p = run.invoke(x, patch)
+            run.invoke(x, record)
+        # the model's own in-place ops on a value a task holds are not the task's edits
+        inplace = ai.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True),
+                                              torch.nn.Linear(8, 2)))
+
+        async def reads(m):
+            h = await m[0].output
+            return (await m[2].output).sum() + h.sum()
+        inplace.trace(x, reads)
+    assert torch.allclose(p.result, net[3](net[2](torch.zeros(1, 8))))

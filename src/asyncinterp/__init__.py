@@ -26,7 +26,7 @@ from .kernel.errors import (
 )
 from .kernel.futures import Future
 from .model import Model, Trace, wrap
-from .run import Invoke, LateBindingError, Run, RunStopped
+from .run import Invoke, LateBindingError, Run, RunStopped, StaleEditWarning
 from .kernel.tasks import Steps, gather, spawn
 from .hooks.views import BatchLayout, Layout
 from .hooks.grad import GradPoint, Gradients, backward, gradients
@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncInterpError", "BatchLayout", "Envoy", "ForeignAwaitError", "Future", "HookPoint", "Invoke",
     "LateBindingError", "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
-    "ReplacementError", "Run", "RunCancelled", "RunStopped", "Steps", "Trace", "UnsetFutureError",
+    "ReplacementError", "Run", "RunCancelled", "RunStopped", "StaleEditWarning", "Steps", "Trace", "UnsetFutureError",
     "gather", "in_loop", "point", "spawn", "wrap",
     "GradPoint", "Gradients", "backward", "gradients", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
     "Session", "aliases",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import warnings
 import weakref
 
 import torch
@@ -31,6 +32,7 @@ from .hooks.modules import (
     instance_forward,
     set_instance_forward,
     submodules,
+    tensor_version,
 )
 from .hooks.views import Layout, check_replacement
 from .kernel.futures import Future
@@ -130,10 +132,45 @@ class Invoke:
         return tuple(values)
 
 
+class StaleEditWarning(UserWarning):
+    """An intervention edited, in place, a value it awaited earlier, after the model had moved on."""
+
+
+class _StaleWatch:
+    """Watches the last tensor a task received, across the task's later resumptions.
+
+    Installed when the firing that produced the tensor is over. If the task
+    changes it in place while it runs later (the classic: it waited on a
+    future set at a later point, then edited what it held), the model has
+    moved on and the edit is probably lost: warn, naming the point.
+    """
+
+    __slots__ = ("view", "point", "version")
+
+    def __init__(self, view, point):
+        self.view = view
+        self.point = point
+        self.version = 0
+
+    def before(self):
+        self.version = tensor_version(self.view)
+
+    def after(self, task):
+        if tensor_version(self.view) == self.version:
+            return
+        task.watch = None   # once
+        where = await_site(task.coro) if not task.done else "its end"
+        warnings.warn(StaleEditWarning(
+            f"intervention {task.name!r} edited the value of {self.point.describe()} in place after the model had "
+            f"run past {self.point.describe()} (it was resumed later, now at {where}): the model has already "
+            "used that value, so the edit is probably lost. Edit values right after awaiting them (before "
+            "awaiting anything else), or replace a later point instead."), stacklevel=2)
+
+
 class Firing:
     """One hook point firing: the full value, per-invoke views, replacements."""
 
-    __slots__ = ("point", "value", "layout", "views", "replaced", "reshaped")
+    __slots__ = ("point", "value", "layout", "views", "replaced", "reshaped", "handed")
 
     def __init__(self, point, value, layout):
         self.point = point
@@ -142,6 +179,7 @@ class Firing:
         self.views = {}
         self.replaced = None
         self.reshaped = None      # a whole-batch replacement of another shape (opted in)
+        self.handed = None        # [(task, tensor)] given to tasks: watched for stale edits afterwards
 
     def base_view(self, group):
         views = self.views
@@ -157,6 +195,11 @@ class Firing:
         v = self.base_view(task.group)
         if trap.read is not None:
             v = trap.read(v)
+        if type(v) is torch.Tensor:
+            if self.handed is None:
+                self.handed = [(task, v)]
+            else:
+                self.handed.append((task, v))
         return v
 
     def replace(self, group, trap, new, shape_change: bool = False, dtype_change: bool = False):
@@ -349,6 +392,12 @@ class Run:
                 del active[key]
             else:
                 active[key] = prev
+        handed = firing.handed
+        if handed is not None:
+            point = firing.point
+            for task, v in handed:
+                if not task.done:
+                    task.watch = _StaleWatch(v, point)
         return bool(kernel.failures or kernel.stop_requested or self.cancelled) and (
             kernel.interrupted or self.cancelled)
 

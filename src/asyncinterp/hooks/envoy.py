@@ -125,6 +125,8 @@ class Envoy:
     attached = False
     #: for an attached module inside a run: the invoke whose calls this envoy's points see
     invoke = None
+    #: modules attached to the model, by name (the root's own dict; ``None`` elsewhere)
+    attachments = None
 
     #: the wrapped ``nn.Module`` (``module``), its dotted ``path`` (``''`` for the root) as in
     #: ``named_modules()``, the ``root`` envoy of the tree, the ``parent`` envoy (``None`` for the root),
@@ -178,7 +180,7 @@ class Envoy:
         module = object.__getattribute__(self, "module")
         if name in submodules(module):
             return self._child(name)
-        attachments = getattr(self, "attachments", None)   # modules attached to the model (Model.attach)
+        attachments = self.attachments   # modules attached to the model (Model.attach; root only)
         if attachments and name in attachments:
             return attachments[name].for_invoke()
         if name.startswith("__"):

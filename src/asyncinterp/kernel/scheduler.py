@@ -76,7 +76,7 @@ class Task:
     __slots__ = (
         "coro", "group", "order", "name", "consumed", "step", "position",
         "waiting", "abort", "done", "closed", "result", "exc", "joiners", "parent", "observed",
-        "open_loops", "__weakref__",
+        "open_loops", "watch", "__weakref__",
     )
 
     def __init__(self, coro, group, order, name, parent=None):
@@ -97,6 +97,7 @@ class Task:
         self.parent = parent
         self.observed = parent is None
         self.open_loops = 0         # step loops (m.steps()) entered and not yet ended
+        self.watch = None           # host object told before/after each resumption (watch.before(), .after(task))
 
     def __repr__(self):
         return f"<Task {self.name} invoke={self.group} {'done' if self.done else 'live'}>"
@@ -469,6 +470,9 @@ class Kernel:
             task.position = self.current_point
         coro = task.coro
         handlers = self._trap_handlers
+        watch = task.watch
+        if watch is not None:
+            watch.before()
         try:
             while True:
                 try:
@@ -497,6 +501,11 @@ class Kernel:
                     return
                 value, exc = resumed
         finally:
+            if watch is not None:
+                try:
+                    watch.after(task)
+                except Exception as err:  # noqa: BLE001 - e.g. its warning turned into an error: a failure
+                    self.failures.append(err)
             _leave(prev)
 
     def _handler_for(self, cls):
