@@ -169,6 +169,9 @@ class Envoy:
             return self._child(name)
         if name.startswith("__"):
             raise AttributeError(name)
+        made = self.points.get(name)     # a semantic point made before (resid_mid, attn.q, ...)
+        if made is not None:
+            return made
         try:
             return getattr(module, name)
         except AttributeError:
@@ -177,7 +180,21 @@ class Envoy:
         found = resolve(self, name)
         if found is not None:
             return found
+        from .semantic import NAMES  # TransformerLens names (resid_pre, attn.q, mlp.post, logits): on a miss only
+        if name in NAMES:
+            made = self.root.build_semantic_point(self, name)
+            if made is not None:
+                self.points[name] = made
+                return made
         raise self._missing(name) from None
+
+    def build_semantic_point(self, envoy, name: str):
+        """The semantic point ``name`` of ``envoy`` (called on the root envoy), or ``None``.
+
+        Engines with other module trees (vLLM) override this on their root envoy.
+        """
+        from .semantic import transformers_point
+        return transformers_point(envoy, name)
 
     def _missing(self, name):
         names = list(submodules(self.module))
