@@ -369,3 +369,12 @@ def test_vllm_unavailable_points_raise_clearly(engines, name):
         return await getattr(m.layers[0].attn, name)
     with pytest.raises(PointUnavailableError, match="qkv_proj|LanguageModel"):
         vm.trace(PROMPT, fn)
+
+
+def test_semantic_points_page_runs(capsys):
+    from docsnippets import python_blocks, run_page
+    assert len(python_blocks("semantic-points.md")) >= 5
+    run_page("semantic-points.md")
+    out = capsys.readouterr().out
+    assert "GPT2LMHeadModel {'resid_pre': (2, 5, 32), 'q': (2, 5, 4, 8)" in out
+    assert "'k': (2, 5, 2, 8)" in out and "True" in out

@@ -213,6 +213,14 @@ class Envoy:
         if isinstance(attr, property) and attr.fset is not None:
             attr.fset(self, value)
             return
+        made = self.points.get(name)
+        if made is None and attr is None:
+            from .semantic import NAMES
+            if name in NAMES:
+                made = getattr(self, name, None)
+        if isinstance(made, Point):        # a semantic point (m.layers[1].resid_mid = h)
+            made.replace(value)
+            return
         raise AttributeError(
             f"cannot set {name!r} on envoy {self.path or '<root>'}: only hook points "
             f"(e.g. .output, .input) can be assigned, inside an intervention")
