@@ -378,3 +378,18 @@ def test_semantic_points_page_runs(capsys):
     out = capsys.readouterr().out
     assert "GPT2LMHeadModel {'resid_pre': (2, 5, 32), 'q': (2, 5, 4, 8)" in out
     assert "'k': (2, 5, 2, 8)" in out and "True" in out
+
+
+@pytest.mark.vllm
+def test_vllm_gradients_raise_clearly(engines):
+    _, vm = engines
+
+    async def grad(m):
+        return await m.layers[0].resid_post.grad
+
+    async def backward(m):
+        h = await m.layers[0].resid_post
+        await m.backward(h.sum())
+    for fn in (grad, backward):
+        with pytest.raises(PointUnavailableError, match="inference_mode"):
+            vm.trace(PROMPT, fn)

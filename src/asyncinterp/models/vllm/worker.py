@@ -153,6 +153,14 @@ def vllm_semantic_point(root, envoy, name):
     return None
 
 
+def _no_gradients(what):
+    from ...hooks.semantic import PointUnavailableError
+    return PointUnavailableError(
+        f"{what} is not available on vLLM: the engine runs under torch.inference_mode, so no autograd graph is "
+        "recorded. Load the same weights with ai.LanguageModel.from_pretrained(path) for gradients; the semantic "
+        "points (resid_pre/mid/post, mlp.pre/post, logits) read the same values there")
+
+
 class LayerEnvoy(Envoy):
     """A decoder layer of a vLLM model: adds ``.hidden``, the residual stream after the layer."""
 
@@ -237,6 +245,10 @@ class VLLMRoot(Model):
         if lp is not None:
             extra["logits"] = NamedPoint(self._child("logits_processor"), "output", "logits", 1)
         init(self, "generation_points", extra)  #: the model-level points by name (``tokens``, ``logits``)
+
+    def backward(self, tensors, **kwargs):
+        """Not on vLLM: raises at once (the engine runs under ``torch.inference_mode``, no graph is recorded)."""
+        raise _no_gradients("m.backward(...)")
 
     def build_semantic_point(self, envoy, name):
         """vLLM's module tree: resid_pre/mid/post fold the (x, residual) pairs, mlp.pre/post; q/k/v/pattern raise."""
@@ -526,6 +538,12 @@ class WorkerRun(Run):
             out = shard.scatter(final, (args, kwargs), result is not None)
             return None if out is None else (tuple(out[0]), dict(out[1]))
         return pre_hook
+
+    def activate(self, trap, task) -> None:
+        from ...hooks.grad import GradPoint
+        if isinstance(trap, GradPoint):
+            raise _no_gradients(f"`await {trap.describe()}`")
+        Run.activate(self, trap, task)
 
     def already_ran(self, trap, current_point) -> bool:
         # within an engine step: every module of the model, then the logits, then the sampler
