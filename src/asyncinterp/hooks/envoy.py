@@ -24,6 +24,16 @@ from .points import Point
 
 _BASE_KINDS = ("output", "inputs")
 
+#: TransformerLens's names, looked up on a miss only (see asyncinterp.hooks.semantic)
+SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
+                            "logits"))
+_semantic = {"build": None}
+
+
+def register_semantic(builder) -> None:
+    """Make ``Envoy.build_semantic_point`` use ``builder(envoy, name)`` (called once by asyncinterp.hooks.semantic)."""
+    _semantic["build"] = builder
+
 
 class HookPoint(Point):
     """An awaitable hook point of one module (``m.x.output``)."""
@@ -180,8 +190,7 @@ class Envoy:
         found = resolve(self, name)
         if found is not None:
             return found
-        from .semantic import NAMES  # TransformerLens names (resid_pre, attn.q, mlp.post, logits): on a miss only
-        if name in NAMES:
+        if name in SEMANTIC_NAMES:   # TransformerLens names (resid_pre, attn.q, mlp.post, logits): on a miss only
             made = self.root.build_semantic_point(self, name)
             if made is not None:
                 self.points[name] = made
@@ -193,8 +202,8 @@ class Envoy:
 
         Engines with other module trees (vLLM) override this on their root envoy.
         """
-        from .semantic import transformers_point
-        return transformers_point(envoy, name)
+        build = _semantic["build"]
+        return None if build is None else build(envoy, name)
 
     def _missing(self, name):
         names = list(submodules(self.module))
@@ -215,8 +224,7 @@ class Envoy:
             return
         made = self.points.get(name)
         if made is None and attr is None:
-            from .semantic import NAMES
-            if name in NAMES:
+            if name in SEMANTIC_NAMES:
                 made = getattr(self, name, None)
         if isinstance(made, Point):        # a semantic point (m.layers[1].resid_mid = h)
             made.replace(value)

@@ -29,7 +29,7 @@ import sys
 import torch
 
 from ..kernel.errors import AsyncInterpError, ReplacementError
-from .envoy import HookPoint
+from .envoy import SEMANTIC_NAMES, HookPoint, register_semantic
 from .modules import add_forward_hook, submodules
 from .points import Point
 from .views import check_replacement
@@ -43,6 +43,7 @@ ATTN_NAMES = ("q", "k", "v", "pattern")
 MLP_NAMES = ("pre", "post")
 ROOT_NAMES = ("logits",)
 NAMES = frozenset(LAYER_NAMES + ATTN_NAMES + MLP_NAMES + ROOT_NAMES)
+assert NAMES == SEMANTIC_NAMES
 
 
 class PointUnavailableError(AsyncInterpError):
@@ -423,3 +424,6 @@ class PatternPoint(Point):
         if getattr(module, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(module.layer_idx + 1)
         return scale
+
+
+register_semantic(transformers_point)
