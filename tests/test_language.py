@@ -250,10 +250,14 @@ def test_string_prompt_without_tokenizer(llama):
 
 
 def test_generation_points_outside_generation_are_clear_errors(llama):
-    async def logits(m):
-        return await m.logits
+    async def tokens(m):
+        return await m.tokens
     with pytest.raises(ai.NotInRunError, match="only during generation"):
-        bounded(lambda: llama.trace("Hi", logits))
+        bounded(lambda: llama.trace("Hi", tokens))
+
+    async def logits(m):          # in a trace, m.logits is the last position of lm_head's output
+        return await m.logits
+    assert bounded(lambda: llama.trace("Hi", logits)).shape == (1, llama.module.config.vocab_size)
 
 
 def test_no_hooks_left_after_runs(llama):

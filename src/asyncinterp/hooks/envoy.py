@@ -24,6 +24,16 @@ from .points import Point
 
 _BASE_KINDS = ("output", "inputs")
 
+#: TransformerLens's names, looked up on a miss only (see asyncinterp.hooks.semantic)
+SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
+                            "logits"))
+_semantic = {"build": None}
+
+
+def register_semantic(builder) -> None:
+    """Make ``Envoy.build_semantic_point`` use ``builder(envoy, name)`` (called once by asyncinterp.hooks.semantic)."""
+    _semantic["build"] = builder
+
 
 class HookPoint(Point):
     """An awaitable hook point of one module (``m.x.output``)."""
@@ -185,6 +195,9 @@ class Envoy:
             return attachments[name].for_invoke()
         if name.startswith("__"):
             raise AttributeError(name)
+        made = self.points.get(name)     # a semantic point made before (resid_mid, attn.q, ...)
+        if made is not None:
+            return made
         try:
             return getattr(module, name)
         except AttributeError:
@@ -193,7 +206,20 @@ class Envoy:
         found = resolve(self, name)
         if found is not None:
             return found
+        if name in SEMANTIC_NAMES:   # TransformerLens names (resid_pre, attn.q, mlp.post, logits): on a miss only
+            made = self.root.build_semantic_point(self, name)
+            if made is not None:
+                self.points[name] = made
+                return made
         raise self._missing(name) from None
+
+    def build_semantic_point(self, envoy, name: str):
+        """The semantic point ``name`` of ``envoy`` (called on the root envoy), or ``None``.
+
+        Engines with other module trees (vLLM) override this on their root envoy.
+        """
+        build = _semantic["build"]
+        return None if build is None else build(envoy, name)
 
     def _missing(self, name):
         names = list(submodules(self.module))
@@ -211,6 +237,13 @@ class Envoy:
             return
         if isinstance(attr, property) and attr.fset is not None:
             attr.fset(self, value)
+            return
+        made = self.points.get(name)
+        if made is None and attr is None:
+            if name in SEMANTIC_NAMES:
+                made = getattr(self, name, None)
+        if isinstance(made, Point):        # a semantic point (m.layers[1].resid_mid = h)
+            made.replace(value)
             return
         raise AttributeError(
             f"cannot set {name!r} on envoy {self.path or '<root>'}: only hook points "

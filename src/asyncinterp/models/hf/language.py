@@ -34,11 +34,30 @@ from .taps import make_taps
 
 
 
+class _logits_point(generation_point):
+    """``m.logits``: in a generation the scores tap; in a trace the last position of ``lm_head``'s output."""
+
+    def __get__(self, envoy, owner=None):
+        if envoy is None:
+            return self
+        kernel = current_kernel()
+        host = kernel.host if kernel is not None else None
+        if host is not None and not getattr(host, "generating", True) and host.model is envoy:
+            made = envoy.points.get("logits")
+            if made is None:
+                made = envoy.build_semantic_point(envoy, "logits")
+                envoy.points["logits"] = made
+            return made
+        return envoy.generation_points[self.name]
+
+
 class LanguageModel(GeneratingModel, Model):
     """A transformers causal language model (plus its tokenizer) ready for interventions."""
 
-    logits = generation_point("generation only: the [rows, vocab] scores the next token is chosen from, after every "
-                 "other logits processor; edit in place or assign `m.logits = new` to change the choice")
+    logits = _logits_point("the [rows, vocab] next-token logits. In a generation: the scores the next token is "
+                           "chosen from, after every other logits processor; in a trace: the last position of "
+                           "lm_head's output (the last real token of each prompt). Edit in place or assign "
+                           "`m.logits = new`")
     tokens = generation_point("generation only: the [rows] token ids chosen at this step (read-only)")
 
     def __init__(self, model, tokenizer=None, envoys: dict | None = None):
