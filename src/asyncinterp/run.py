@@ -396,7 +396,7 @@ class Run:
         if handed is not None:
             point = firing.point
             for task, v in handed:
-                if not task.done:
+                if not task.done and not v.is_inference():   # inference tensors have no version counter
                     task.watch = _StaleWatch(v, point)
         return bool(kernel.failures or kernel.stop_requested or self.cancelled) and (
             kernel.interrupted or self.cancelled)
