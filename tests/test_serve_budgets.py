@@ -35,9 +35,9 @@ async def f(m):
         n += 1
 """
 
-# slow but legitimate: busy Python work (~0.2-0.3 s of CPU) well under its own budget, then a result
+# slow but legitimate: busy Python work (~0.1 s of CPU) well under its own budget, then a result
 LEGIT = """
-async def f(m, n=1000000):
+async def f(m, n=400000):
     h = await m.transformer.h[0].output
     s = 0
     for i in range(n):
@@ -46,7 +46,7 @@ async def f(m, n=1000000):
 """
 
 
-async def legit_local(m, n=1000000):
+async def legit_local(m, n=400000):
     await m.transformer.h[0].output
     return (await m.lm_head.output)[:, -1].clone() + (sum(range(n)) % 7)
 
@@ -106,7 +106,7 @@ def _is_budget_cut(err, budget):
 def test_spinner_is_cut_at_its_budget_and_a_slow_batch_mate_succeeds(grouped, model):
     """One batch: a busy-loop spinner, a slow legitimate submitted request, three registered innocents.
 
-    The legitimate request and the innocents ask for a 1 s limit: less than the spinner's 1.5 s budget,
+    The legitimate request and the innocents ask for a 1.2 s limit: less than the spinner's 1.5 s budget,
     so they can only succeed if the spinner's time does not count against their deadlines.
     """
     before = dict(grouped.server.batcher.stats)
@@ -122,8 +122,8 @@ def test_spinner_is_cut_at_its_budget_and_a_slow_batch_mate_succeeds(grouped, mo
                     return exc, time.monotonic() - t0
             return await asyncio.gather(
                 timed(c.trace(SAME[0], SPIN)),
-                timed(c.trace(SAME[1], LEGIT, timeout=1.0)),
-                *[timed(c.trace(p, "last", timeout=1.0)) for p in SAME[2:5]])
+                timed(c.trace(SAME[1], LEGIT, timeout=1.2)),
+                *[timed(c.trace(p, "last", timeout=1.2)) for p in SAME[2:5]])
 
     (spin, t_spin), (legit, t_legit), *innocent = asyncio.run(go())
     stats = grouped.server.batcher.stats
@@ -135,7 +135,7 @@ def test_spinner_is_cut_at_its_budget_and_a_slow_batch_mate_succeeds(grouped, mo
     for p, (r, _) in zip(SAME[2:5], innocent):
         assert isinstance(r, torch.Tensor), (p, r)
         assert torch.equal(r, model.trace(p, last)), p                                     # bit-equal to solo
-    # they waited for the spinner (at least its budget of CPU time) and still made their 1 s limits
+    # they waited for the spinner (at least its budget of CPU time) and still made their 1.2 s limits
     assert min(t_legit, *(t for _, t in innocent)) >= BUDGET * 0.9
     _healthy(grouped)
 
