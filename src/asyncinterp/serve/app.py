@@ -23,7 +23,8 @@ the server allows code) ``{"source", "entry"?, "params"}``.
 Statuses: 200 ok; 400 malformed body, invalid parameters, refused code; 401
 missing or wrong API key; 404/405 unknown route; 413 body too large; 422 the
 intervention raised (the error's type, message and own traceback lines come
-back); 503 queue full (with ``Retry-After``); 504 the request's time limit.
+back); 503 queue full (with ``Retry-After``); 504 the request's time limit (extended by the time other
+requests' submitted code held the worker) or its submitted code's compute budget.
 Every request is logged as one structured record on the
 ``asyncinterp.serve`` logger.
 """
