@@ -266,3 +266,76 @@ def test_out_of_order_inside_submitted_code_names_its_line():
         model.trace(torch.randn(2, 4), fn)
     assert "<unknown line>" not in str(info.value)
     assert ":3 (in f)" in str(info.value)
+
+
+# --------------------------------------------------------------------------- compute budgets
+def test_budget_stops_a_busy_loop_at_its_own_cpu_time(model):
+    fn, clock = Program("async def f(m):\n    h = await m.transformer.h[0].output\n    while True:\n        pass\n"
+                        ).bind({}, None, 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(SandboxTimeout, match="compute budget of 0.2 s"):
+        model.trace("Hello", fn)
+    assert time.monotonic() - t0 < 5
+    assert 0.2 <= clock.cpu < 1.0 and clock.depth == 0
+
+
+def test_budget_counts_spawned_tasks_and_many_firings(model):
+    src = '''
+from asyncinterp import spawn
+async def spin():
+    while True:
+        pass
+async def f(m):
+    t = await spawn(spin())
+    await m.transformer.h[0].output
+    return await t
+'''
+    fn, clock = Program(src, entry="f").bind({}, None, 0.2)
+    with pytest.raises(SandboxTimeout, match="compute budget"):
+        model.trace("Hello", fn)
+    # short spins in every step of a generation add up: cut in a later step
+    src2 = '''
+async def f(m):
+    k = 0
+    async for step in m.steps():
+        await m.transformer.h[0].output
+        i = 0
+        while i < 100000:
+            i += 1
+        k += 1
+    return k
+'''
+    fn, clock = Program(src2).bind({}, None, 0.15)
+    with pytest.raises(SandboxTimeout, match="compute budget"):
+        model.generate("Hello", fn, max_new_tokens=100)
+    assert clock.cpu >= 0.15
+
+
+def test_budget_is_not_consumed_by_waiting(model):
+    """Only the code's own resumptions count: a cheap intervention over a whole generation uses little."""
+    fn, clock = Program("async def f(m):\n    async for s in m.steps():\n        await m.transformer.h[1].output\n"
+                        "    return 1\n").bind({}, None, 10.0)
+    model.generate("Hello", fn, max_new_tokens=5)
+    assert 0 < clock.cpu < 0.5 and clock.wall > 0
+
+
+def test_meter_credit_is_other_requests_time():
+    from asyncinterp.serve.batcher import Ledger, Meter
+    ledger = Ledger()
+    a, b = Meter(), Meter()
+    a.attach(ledger)
+    b.attach(ledger)
+    a.resume()
+    time.sleep(0.05)
+    assert b.credit() >= 0.04 and a.credit() < 0.01      # counted while it runs, for the others only
+    a.pause()
+    b.resume()
+    b.resume()                                            # nested: counted once
+    time.sleep(0.02)
+    b.pause()
+    b.pause()
+    assert 0.04 <= b.credit() < a.wall + 0.01
+    assert 0.015 <= a.credit() and ledger.held >= a.wall + b.wall - 1e-9
+    c = Meter()
+    c.attach(ledger)
+    assert c.credit() == 0.0                              # only time after it was queued

@@ -23,7 +23,8 @@ the server allows code) ``{"source", "entry"?, "params"}``.
 Statuses: 200 ok; 400 malformed body, invalid parameters, refused code; 401
 missing or wrong API key; 404/405 unknown route; 413 body too large; 422 the
 intervention raised (the error's type, message and own traceback lines come
-back); 503 queue full (with ``Retry-After``); 504 the request's time limit.
+back); 503 queue full (with ``Retry-After``); 504 the request's time limit (extended by the time other
+requests' submitted code held the worker) or its submitted code's compute budget.
 Every request is logged as one structured record on the
 ``asyncinterp.serve`` logger.
 """
@@ -118,7 +119,11 @@ class Server:
     ``X-API-Key: KEY``); none means no authentication (only sensible on
     loopback). ``allow_code``: accept client-submitted ``async def`` source
     (restricted, see :mod:`.sandbox`). ``timeout``: per-request limit in
-    seconds (clients may ask for less). ``max_body_bytes``: larger bodies get
+    seconds (clients may ask for less). ``code_budget``: CPU seconds that
+    submitted code may run per request, counted only while its own code
+    runs (a request's ``timeout`` lowers it); past it the code is stopped
+    there (504) and the forward goes on for the others, whose deadlines
+    are extended by the time it held the worker. ``max_body_bytes``: larger bodies get
     413. ``max_queue``: waiting requests beyond it get 503. Batching:
     ``max_batch``, ``max_wait_ms``, ``exact`` (see :class:`Batcher`).
     ``builtin_interventions``: register ``top_k``, ``read``, ``steer`` and
@@ -126,7 +131,7 @@ class Server:
     """
 
     def __init__(self, model, *, api_keys=None, allow_code: bool = False, max_batch: int = 32,
-                 max_wait_ms: float = 5.0, max_queue: int = 256, timeout: float = 30.0,
+                 max_wait_ms: float = 5.0, max_queue: int = 256, timeout: float = 30.0, code_budget: float = 1.0,
                  max_body_bytes: int = 1 << 20, max_new_tokens: int = 256, max_prompt_tokens: int | None = None,
                  exact: bool = False, name: str | None = None, builtin_interventions: bool = True,
                  batcher: Batcher | None = None):
@@ -135,6 +140,9 @@ class Server:
         self.api_keys = [k.encode() for k in (api_keys or []) if k]
         self.allow_code = allow_code
         self.timeout = float(timeout)
+        self.code_budget = float(code_budget)
+        if not self.code_budget > 0:
+            raise ValueError(f"code_budget must be a positive number of seconds, got {code_budget!r}")
         self.max_body_bytes = int(max_body_bytes)
         self.max_new_tokens = int(max_new_tokens)
         self.is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
@@ -285,13 +293,13 @@ class Server:
             self._vocab = int(emb.num_embeddings) if emb is not None else int(self.model.module.config.vocab_size)
         return self._vocab
 
-    def _intervention(self, spec, deadline, required=True):
-        """``(fn, on_cancel, label)`` for a request's intervention spec; refuses before any model work."""
+    def _intervention(self, spec, timeout, required=True):
+        """``(fn, on_cancel, label, meter)`` for a request's intervention spec; refuses before any model work."""
         if spec is None:
             if required:
                 raise _Fail(400, "request", "an intervention is required: a registered name, {'name', 'params'}"
                                             + (" or {'source', 'params'}" if self.allow_code else ""))
-            return None, None, None
+            return None, None, None, None
         if isinstance(spec, str):
             spec = {"name": spec}
         if not isinstance(spec, dict):
@@ -314,7 +322,7 @@ class Server:
                 raise _Fail(400, "request", "source and entry must be strings")
             try:
                 program = self.programs.get(source, entry)
-                fn, clock = program.bind(params, deadline)
+                fn, clock = program.bind(params, time.monotonic() + timeout, min(self.code_budget, timeout))
             except SandboxRefused as exc:
                 raise _Fail(400, "refused", str(exc)) from None
             except Exception as exc:  # noqa: BLE001 - anything else in the module body
@@ -322,7 +330,7 @@ class Server:
 
             def on_cancel():
                 clock.cancelled = True
-            return fn, on_cancel, f"submitted:{program.entry}"
+            return fn, on_cancel, f"submitted:{program.entry}", clock
         name = spec.get("name")
         if not isinstance(name, str):
             raise _Fail(400, "request", "intervention name must be a string")
@@ -334,7 +342,7 @@ class Server:
             fn = reg.bind(params, self.model)
         except BadRequest as exc:
             raise _Fail(400, "request", str(exc)) from None
-        return fn, None, name
+        return fn, None, name, None
 
     def _timeout(self, obj):
         t = obj.get("timeout")
@@ -417,7 +425,9 @@ class Server:
             return _Fail(503, "overloaded", str(exc), {"Retry-After": "1"})
         if isinstance(exc, BatcherClosed):
             return _Fail(503, "closed", str(exc), {"Retry-After": "1"})
-        if isinstance(exc, (TimeoutError, SandboxTimeout)):
+        if isinstance(exc, SandboxTimeout):
+            return _Fail(504, "timeout", exc)   # its own reason: the compute budget or the time limit, and where
+        if isinstance(exc, TimeoutError):
             return _Fail(504, "timeout", "the request's time limit was reached; its intervention was closed")
         if isinstance(exc, wire.WireError):
             return _Fail(422, "intervention", exc)
@@ -440,6 +450,7 @@ class Server:
                 "allowed_imports": list(__import__("asyncinterp.serve.sandbox", fromlist=["x"]).ALLOWED_MODULES)
                 if self.allow_code else [],
                 "limits": {"max_body_bytes": self.max_body_bytes, "timeout": self.timeout,
+                           "code_budget": self.code_budget if self.allow_code else None,
                            "max_new_tokens": self.max_new_tokens, "max_prompt_tokens": self.max_prompt_tokens,
                            "max_batch": self.batcher.max_batch, "max_queue": self.batcher.max_queue},
             }
@@ -458,9 +469,9 @@ class Server:
                 raise _Fail(400, "request", "missing field 'input'")
             x, _ = self._input(obj["input"])
             timeout = self._timeout(obj)
-            fn, on_cancel, label = self._intervention(obj.get("intervention"), time.monotonic() + timeout)
+            fn, on_cancel, label, meter = self._intervention(obj.get("intervention"), timeout)
             fields["intervention"] = label
-            call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel)
+            call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel, meter=meter)
             return await self._respond(request, fields, call, lambda value: {"ok": True, "result": value})
         return await self._guarded(request, "trace", work)
 
@@ -484,21 +495,20 @@ class Server:
             if type(stream) is not bool:
                 raise _Fail(400, "request", "stream must be a bool")
             timeout = self._timeout(obj)
-            fn, on_cancel, label = self._intervention(obj.get("intervention"), time.monotonic() + timeout,
-                                                      required=False)
+            fn, on_cancel, label, meter = self._intervention(obj.get("intervention"), timeout, required=False)
             fields["intervention"] = label
             fields["max_new_tokens"] = n
             fns = (fn,) if fn is not None else ()
             if stream:
                 try:
                     events = self.batcher.stream_generate(x, *fns, max_new_tokens=n, timeout=timeout,
-                                                          on_cancel=on_cancel)
+                                                          on_cancel=on_cancel, meter=meter)
                 except BatcherFull as exc:
                     raise self._run_error(exc, fields) from None
                 fields["stream"] = True
                 return StreamingResponse(self._stream(events), media_type=MSGPACK_STREAM)
             call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
-                                     on_cancel=on_cancel)
+                                     on_cancel=on_cancel, meter=meter)
 
             def answer(g):
                 return {"ok": True, "result": g.result, "tokens": g.tokens, "text": g.text,

@@ -62,16 +62,112 @@ class GenerateResult:
     emitted: list = field(default_factory=list)   # values the intervention emitted, in order
 
 
+# --------------------------------------------------------------------------- time accounting
+class Ledger:
+    """Seconds that metered interventions held a batcher's worker thread, in all (one per batcher).
+
+    Written by the worker thread only (through :class:`Meter`); read by event loops to extend deadlines.
+    """
+
+    __slots__ = ("held", "start", "depth")
+
+    def __init__(self):
+        self.held = 0.0      # completed slices
+        self.start = None    # perf_counter() when the slice now running began (None: none running)
+        self.depth = 0
+
+    def enter(self) -> None:
+        if self.depth == 0:
+            self.start = time.perf_counter()
+        self.depth += 1
+
+    def leave(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.held += time.perf_counter() - self.start   # add first, then clear: a reader may over-count
+            self.start = None                               # for an instant, never under-count
+
+    def total(self, now: float) -> float:
+        held, start = self.held, self.start
+        return held + (now - start if start is not None else 0.0)
+
+
+class Meter:
+    """The time one request's intervention holds the worker thread, and its deadline's credit.
+
+    ``resume()``/``pause()`` bracket every resumption of the request's tasks
+    (the sandbox's driver does this for submitted code; nested calls count
+    once). ``wall`` and ``cpu`` are the seconds spent so far (``cpu``: this
+    thread's CPU time). Attached to a batcher's :class:`Ledger`, ``credit()``
+    is the time *other* requests' metered interventions held the worker
+    since this request was queued: the batcher (and the sandbox's clock)
+    add it to this request's deadline, so another request's runaway code
+    does not use up this one's time limit. It is not capped (each piece of
+    foreign code is bounded by its own budget, the queue by ``max_queue``,
+    and a client that stops waiting disconnects, which cancels the
+    request); ``max_credit`` can cap it.
+    """
+
+    __slots__ = ("wall", "cpu", "depth", "_w0", "_c0", "ledger", "held0", "max_credit")
+
+    def __init__(self):
+        self.wall = 0.0
+        self.cpu = 0.0
+        self.depth = 0
+        self._w0 = 0.0
+        self._c0 = 0.0
+        self.ledger = None
+        self.held0 = 0.0
+        self.max_credit = None
+
+    def attach(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.held0 = ledger.total(time.perf_counter())
+
+    def resume(self) -> None:
+        if self.depth == 0:
+            self._w0 = time.perf_counter()
+            self._c0 = time.thread_time()
+            if self.ledger is not None:
+                self.ledger.enter()
+        self.depth += 1
+
+    def pause(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.wall += time.perf_counter() - self._w0
+            self.cpu += time.thread_time() - self._c0
+            if self.ledger is not None:
+                self.ledger.leave()
+
+    def cpu_now(self) -> float:
+        """CPU seconds used so far, including the slice running now (call on the worker thread)."""
+        return self.cpu + (time.thread_time() - self._c0 if self.depth else 0.0)
+
+    def credit(self) -> float:
+        """Seconds other requests' metered code held the worker since this request was queued (capped)."""
+        ledger = self.ledger
+        if ledger is None:
+            return 0.0
+        now = time.perf_counter()
+        own = self.wall + (now - self._w0 if self.depth else 0.0)
+        c = ledger.total(now) - self.held0 - own
+        if self.max_credit is not None:
+            c = min(c, self.max_credit)
+        return max(c, 0.0)
+
+
 # --------------------------------------------------------------------------- requests
 _ids = itertools.count(1)
 
 
 class _Request:
     __slots__ = ("id", "kind", "input", "fns", "kwargs", "gen", "max_new_tokens", "key", "arrival", "state",
-                 "invoke", "lock", "mailbox", "on_cancel", "tokens", "streamed", "emitted", "stream", "finished")
+                 "invoke", "lock", "mailbox", "on_cancel", "tokens", "streamed", "emitted", "stream", "finished",
+                 "meter")
 
     def __init__(self, kind, input, fns, kwargs, key, gen=None, max_new_tokens=None, on_cancel=None,
-                 stream=False):
+                 stream=False, meter=None):
         self.id = next(_ids)
         self.kind = kind
         self.input = input
@@ -91,6 +187,7 @@ class _Request:
         self.emitted = []
         self.stream = stream
         self.finished = False
+        self.meter = meter if meter is not None else Meter()
 
     # worker side -------------------------------------------------------------
     def start(self) -> bool:
@@ -271,28 +368,33 @@ class Batcher:
         self._closed = False
         self._thread = None
         self._current = None
+        self.ledger = Ledger()
         self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "fallbacks": 0, "cancelled": 0}
         self._is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
 
     # ------------------------------------------------------------------ public
-    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, **kwargs):
+    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, **kwargs):
         """Run ``fns`` on ``input`` in a shared forward; returns what ``model.trace(input, *fns)`` returns.
 
-        ``timeout`` (seconds) bounds this request only (``TimeoutError``);
+        ``timeout`` (seconds) bounds this request only (``TimeoutError``),
+        extended by the time other requests' metered interventions held the
+        worker meanwhile (:class:`Meter`; at most by ``timeout`` again);
         ``on_cancel`` is called (in this event loop) if the request is
-        cancelled or times out; ``kwargs`` go to the invoke.
+        cancelled or times out; ``meter``: the :class:`Meter` that this
+        request's intervention reports its time to (submitted code's clock);
+        ``kwargs`` go to the invoke.
         """
-        req = self._make("trace", input, fns, kwargs, None, None, on_cancel, False)
+        req = self._make("trace", input, fns, kwargs, None, None, on_cancel, False, meter)
         return await self._wait(req, timeout)
 
     async def generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
-                       on_cancel=None, **generate_kwargs) -> GenerateResult:
+                       on_cancel=None, meter=None, **generate_kwargs) -> GenerateResult:
         """Generate for ``input`` with ``fns`` in a shared generation; returns a :class:`GenerateResult`."""
-        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, False)
+        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, False, meter)
         return await self._wait(req, timeout)
 
     def stream_generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
-                        on_cancel=None, **generate_kwargs) -> "GenerationStream":
+                        on_cancel=None, meter=None, **generate_kwargs) -> "GenerationStream":
         """Like :meth:`generate`, as an async iterator of events while the generation runs.
 
         The request is queued at once (so :class:`BatcherFull` is raised
@@ -303,8 +405,8 @@ class Batcher:
         from the iterator; leaving the loop early (or ``aclose()``) cancels
         the request.
         """
-        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, True)
-        return GenerationStream(self, req, self._deadline(timeout))
+        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, True, meter)
+        return GenerationStream(self, req, self._deadline(timeout, req))
 
     def queue_size(self) -> int:
         return len(self._pending)
@@ -341,7 +443,7 @@ class Batcher:
         await self.aclose()
 
     # ------------------------------------------------------------------ submitting
-    def _make(self, kind, input, fns, kwargs, gen, max_new_tokens, on_cancel, stream):
+    def _make(self, kind, input, fns, kwargs, gen, max_new_tokens, on_cancel, stream, meter=None):
         for fn in fns:
             if not callable(fn):
                 raise TypeError(f"an intervention must be an async function taking the model envoy, got {fn!r}")
@@ -349,16 +451,17 @@ class Batcher:
             key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
         else:
             key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
-        req = _Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream)
+        req = _Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream, meter)
+        req.meter.attach(self.ledger)
         self._submit(req)
         return req
 
-    def _make_generate(self, input, fns, max_new_tokens, generate_kwargs, on_cancel, stream):
+    def _make_generate(self, input, fns, max_new_tokens, generate_kwargs, on_cancel, stream, meter=None):
         if not self._is_lm:
             raise TypeError("generation requests need a LanguageModel (with a tokenizer and generate)")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        return self._make("generate", input, fns, {}, generate_kwargs, max_new_tokens, on_cancel, stream)
+        return self._make("generate", input, fns, {}, generate_kwargs, max_new_tokens, on_cancel, stream, meter)
 
     def _input_key(self, input):
         if self._key_fn is not None:
@@ -387,18 +490,17 @@ class Batcher:
                 self._thread.start()
             self._cond.notify_all()
 
-    def _deadline(self, timeout):
+    def _deadline(self, timeout, req=None):
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
 
     async def _wait(self, req, timeout):
-        deadline = self._deadline(timeout)
+        deadline = self._deadline(timeout, req)
         try:
-            with aio.fail_at(deadline):
-                while True:
-                    kind, ok, value = await req.mailbox.get()
-                    if kind == "done":
-                        break
+            while True:
+                kind, ok, value = await _next_item(req, deadline)
+                if kind == "done":
+                    break
         except BaseException:
             req.cancel()
             self.unqueue(req)
@@ -549,6 +651,22 @@ class Batcher:
                     r.deliver(True, value)
 
 
+async def _next_item(req, deadline):
+    """The request's next mailbox item; ``TimeoutError`` at ``deadline`` plus the request's credit
+    (the time other requests' metered interventions held the worker meanwhile, see :class:`Meter`)."""
+    if deadline is None:
+        return await req.mailbox.get()
+    meter = req.meter
+    while True:
+        try:
+            with aio.fail_at(deadline + meter.credit()):
+                return await req.mailbox.get()
+        except TimeoutError:
+            if time.monotonic() >= deadline + meter.credit():
+                raise
+            # foreign code ran meanwhile: the deadline moved on; wait again (the item stays queued)
+
+
 class GenerationStream:
     """Async iterator over a streaming generation request's events (see :meth:`Batcher.stream_generate`)."""
 
@@ -566,8 +684,7 @@ class GenerationStream:
             raise StopAsyncIteration
         req = self._req
         try:
-            with aio.fail_at(self._deadline):
-                kind, ok, value = await req.mailbox.get()
+            kind, ok, value = await _next_item(req, self._deadline)
         except BaseException:
             await self.aclose()
             raise

@@ -48,6 +48,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="how long a request waits for others to share its forward (default 5 ms)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503 (default 256)")
     p.add_argument("--timeout", type=float, default=30.0, help="per-request time limit in seconds (default 30)")
+    p.add_argument("--code-budget", type=float, default=1.0,
+                   help="CPU seconds submitted code may run per request, counted only while its own code runs "
+                        "(default 1); past it the code is stopped and the others' forward goes on")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request size limit (default 1 MiB)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="generation limit per request (default 256)")
     p.add_argument("--exact", action="store_true",
@@ -138,7 +141,7 @@ def run(args) -> int:
     model = load_model(args.model, args.cache_dir)
     server = Server(model, api_keys=keys, allow_code=args.allow_code, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
-                    max_body_bytes=args.max_body_bytes, max_new_tokens=args.max_new_tokens, exact=args.exact,
+                    code_budget=args.code_budget, max_body_bytes=args.max_body_bytes, max_new_tokens=args.max_new_tokens, exact=args.exact,
                     name=args.model, builtin_interventions=not args.no_builtins)
     for path in args.interventions:
         load_interventions(server, path)

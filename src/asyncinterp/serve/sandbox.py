@@ -14,8 +14,11 @@ def`` from clients. Before any model work the source is
    Anything else is a :class:`SandboxRefused` (HTTP 400) naming the line.
 2. instrumented: every loop body, function body, lambda and comprehension
    calls a tick that raises :class:`SandboxTimeout` once the request's
-   deadline has passed or the request was cancelled, so a runaway Python
-   loop ends that request only.
+   compute budget is used up (CPU time while its own tasks run, measured
+   around every resumption), its deadline has passed (extended by the time
+   other requests' code held the worker) or the request was cancelled, so
+   a runaway Python loop ends that request only, at that point, while the
+   forward goes on for the others.
 3. executed with restricted builtins (no ``open``, ``eval``, ``exec``,
    ``getattr``, ``type``, ``id``, ``hash``, ``__import__``...) and an import
    hook that hands out proxy modules holding an allow-list of operations
@@ -60,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hooks.modules import submodules
+from .batcher import Meter
 
 MAX_SOURCE_CHARS = 20_000
 MAX_AST_NODES = 5_000
@@ -1078,12 +1082,14 @@ class _Pending:
 
 
 class _TaskState:
-    """Per task of submitted code: awaited values whose private copies may be edited in place."""
+    """Per task of submitted code: awaited values whose private copies may be edited in place, and the
+    clock of its request (every resumption of the task is timed on it)."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("pending", "clock")
 
-    def __init__(self):
+    def __init__(self, clock=None):
         self.pending = []
+        self.clock = clock
 
     def forget(self, point):
         """An explicit replacement of ``point``: its pending in-place edits are dropped; returns the value."""
@@ -1120,15 +1126,18 @@ def _current_state():
 
 
 class _Driven:
-    """Runs a coroutine of submitted code as a task, flushing its in-place edits at every await."""
+    """Runs a coroutine of submitted code as a task, flushing its in-place edits at every await and
+    timing every resumption on its request's clock (the compute budget)."""
 
-    __slots__ = ("coro",)
+    __slots__ = ("coro", "clock")
 
-    def __init__(self, coro):
+    def __init__(self, coro, clock=None):
         self.coro = coro
+        self.clock = clock
 
     def __await__(self):
-        coro, state = self.coro, _TaskState()
+        coro, clock = self.coro, self.clock
+        state = _TaskState(clock)
         __ai_inner__ = coro   # lets await_site find the user's line inside the driven coroutine
         stack = getattr(_LOCAL, "stack", None)
         if stack is None:
@@ -1137,6 +1146,8 @@ class _Driven:
         try:
             while True:
                 stack.append(state)
+                if clock is not None:
+                    clock.resume()
                 try:
                     trap = coro.throw(exc) if exc is not None else coro.send(send)
                     state.flush()
@@ -1144,6 +1155,8 @@ class _Driven:
                     state.flush()
                     return stop.value
                 finally:
+                    if clock is not None:
+                        clock.pause()
                     stack.pop()
                 try:
                     send, exc = (yield trap), None
@@ -1152,7 +1165,13 @@ class _Driven:
                 except BaseException as e:  # noqa: BLE001 - delivered to the submitted coroutine
                     send, exc = None, e
         finally:
-            coro.close()
+            if clock is not None:
+                clock.resume()   # its finally blocks run now: on its clock too
+            try:
+                coro.close()
+            finally:
+                if clock is not None:
+                    clock.pause()
 
 
 async def _await_point(point):
@@ -1161,8 +1180,11 @@ async def _await_point(point):
 
 def _as_coro(aw):
     if isinstance(aw, SafePoint) or inspect.iscoroutine(aw):
+        state = _current_state()   # the submitted task calling spawn/gather: its request's clock
+        clock = state.clock if state is not None else None
+
         async def run():
-            return await _Driven(_await_point(aw) if isinstance(aw, SafePoint) else aw)
+            return await _Driven(_await_point(aw) if isinstance(aw, SafePoint) else aw, clock)
         return run()
     return aw
 
@@ -1307,24 +1329,53 @@ class SafeEnvoy:
 
 
 # --------------------------------------------------------------------------- compiled programs
-class _Clock:
-    """Per-request budget the tick checks: deadline and cancellation."""
+class _Clock(Meter):
+    """Per-request limits the tick checks: compute budget, deadline, cancellation.
 
-    __slots__ = ("deadline", "cancelled", "count")
+    ``budget``: CPU seconds the request's submitted code may run in all,
+    counted only while one of its tasks is resumed (:class:`_Driven` times
+    every resumption, in every hook firing and generation step; waiting for
+    the model or for other requests costs nothing). ``deadline``: the
+    request's wall-clock limit (``time.monotonic()``), extended by its
+    credit (:meth:`Meter.credit`: time other requests' code held the worker
+    meanwhile). Past either, the next tick raises :class:`SandboxTimeout`
+    there, and every tick after it.
+    """
 
-    def __init__(self, deadline=None):
+    __slots__ = ("deadline", "budget", "cancelled", "reason", "count")
+
+    def __init__(self, deadline=None, budget=None):
+        super().__init__()
         self.deadline = deadline
+        self.budget = budget
         self.cancelled = False
+        self.reason = "the request was cancelled"
         self.count = 0
 
     def tick(self):
         self.count += 1
         if self.cancelled:
-            raise SandboxTimeout("the request was cancelled")
-        if self.deadline is not None and (self.count & 63) == 0 and time.monotonic() > self.deadline:
-            self.cancelled = True
-            raise SandboxTimeout("the request's time limit was reached while submitted code was running")
+            raise SandboxTimeout(self.reason)
+        if (self.count & 31) == 0:
+            self.check()
         return True
+
+    def check(self):
+        budget = self.budget
+        if budget is not None and self.depth:
+            used = self.cpu_now()
+            if used > budget:
+                self.stop(f"submitted code used up its compute budget of {budget:g} s (CPU time while its code "
+                          f"ran in hook firings: {used:.3f} s) and was stopped here; the forward went on for "
+                          "the other requests")
+        deadline = self.deadline
+        if deadline is not None and time.monotonic() > deadline and time.monotonic() > deadline + self.credit():
+            self.stop("the request's time limit was reached while submitted code was running")
+
+    def stop(self, reason):
+        self.cancelled = True
+        self.reason = reason
+        raise SandboxTimeout(reason)
 
 
 class Program:
@@ -1374,10 +1425,16 @@ class Program:
             if k.startswith("__"):
                 raise SandboxRefused(f"parameter name {k!r} is not allowed")
 
-    def bind(self, params: dict, deadline: float | None = None):
-        """A fresh intervention for one request: ``(fn, clock)``; runs the module body (defs and imports only)."""
+    def bind(self, params: dict, deadline: float | None = None, budget: float | None = None):
+        """A fresh intervention for one request: ``(fn, clock)``; runs the module body (defs and imports only).
+
+        ``deadline``: wall-clock limit (``time.monotonic()``); ``budget``: CPU seconds the code may run in
+        all (see :class:`_Clock`). The clock is the request's :class:`~asyncinterp.serve.batcher.Meter`:
+        pass it to the batcher (``meter=clock``) so that its time is accounted to it and credited to the
+        other requests' deadlines.
+        """
         self.check_params(params)
-        clock = _Clock(deadline)
+        clock = _Clock(deadline, budget)
         g = {"__builtins__": safe_builtins(), "__name__": "submitted", _TICK: clock.tick, _SETPOINT: _setpoint,
              _PLAIN: _plain_check}
         exec(self.code, g)  # noqa: S102 - checked and restricted above; top level holds only defs/imports/literals
@@ -1387,7 +1444,7 @@ class Program:
                   for k, v in params.items()}
 
         async def submitted(m):
-            return release(await _Driven(entry(SafeEnvoy(m), **params)))
+            return release(await _Driven(entry(SafeEnvoy(m), **params), clock))
 
         submitted.__qualname__ = submitted.__name__ = self.entry
         return submitted, clock
