@@ -470,3 +470,24 @@ def test_spawned_points_report_the_users_line_and_tracebacks_hide_the_scheduler(
     frames = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
     assert not any("/asyncinterp/kernel/" in f for f in frames), frames
     assert frames[-1] == __file__
+
+
+def test_several_failures_including_a_base_exception_are_grouped():
+    class Stop(BaseException):
+        pass
+
+    model = ai.wrap(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+
+    async def raises_base(m):
+        await m[0].output
+        raise Stop()
+
+    async def raises_plain(m):
+        await m[0].output
+        raise ValueError("plain")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        with model.trace() as run:
+            run.invoke(torch.randn(1, 2), raises_base)
+            run.invoke(torch.randn(1, 2), raises_plain)
+    assert {type(e) for e in info.value.exceptions} == {Stop, ValueError}

@@ -732,7 +732,9 @@ class Run:
     def _raise(self, failures):
         if len(failures) == 1:
             raise failures[0]
-        raise ExceptionGroup(f"{len(failures)} interventions failed", list(failures))
+        failures = list(failures)
+        group = ExceptionGroup if all(isinstance(f, Exception) for f in failures) else BaseExceptionGroup
+        raise group(f"{len(failures)} interventions failed", failures)
 
 
 def _bound_names(fn):
