@@ -738,11 +738,11 @@ class Run:
 
 
 def _bound_names(fn):
-    """``(function, name, read, value)`` for each closure variable and global ``fn`` reads, as bound now.
+    """``(function, name, holder, value)`` for each closure variable and global ``fn`` reads, as bound now.
 
-    ``read()`` gives the variable's value when called later. Names that hold
-    modules, classes and functions are left out (rebinding those is not the
-    loop-variable mistake this guards against).
+    ``holder`` is the closure cell, or the function's globals dict. Names that
+    hold modules, classes and functions are left out (rebinding those is not
+    the loop-variable mistake this guards against).
     """
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -756,37 +756,42 @@ def _bound_names(fn):
             value = cell.cell_contents
         except ValueError:   # not bound yet
             continue
-        if not _is_definition(value):
-            out.append((fn, name, functools.partial(_cell_value, cell), value))
+        if not isinstance(value, _DEFINITIONS):
+            out.append((fn, name, cell, value))
     glob = fn.__globals__
     for name in _global_names(code):
-        if name in glob and not _is_definition(glob[name]):
-            out.append((fn, name, functools.partial(glob.get, name, _UNBOUND), glob[name]))
+        value = glob.get(name, _UNBOUND)
+        if value is not _UNBOUND and not isinstance(value, _DEFINITIONS):
+            out.append((fn, name, glob, value))
     return out
 
 
+_names_of_code = weakref.WeakKeyDictionary()   # code object -> the global names it (or its nested code) reads
+
+
 def _global_names(code):
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):   # comprehensions, nested functions
-            names |= _global_names(const)
+    names = _names_of_code.get(code)
+    if names is None:
+        found = set(code.co_names)
+        for const in code.co_consts:
+            if hasattr(const, "co_names"):   # comprehensions, nested functions
+                found |= _global_names(const)
+        names = _names_of_code[code] = frozenset(found)
     return names
 
 
-def _is_definition(value) -> bool:
-    return isinstance(value, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType))
-
-
-def _cell_value(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return _UNBOUND
+_DEFINITIONS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
 
 
 def _check_closures(inv) -> None:
-    for fn, name, read, value in getattr(inv, "closures", ()):
-        now = read()
+    for fn, name, holder, value in getattr(inv, "closures", ()):
+        if type(holder) is dict:
+            now = holder.get(name, _UNBOUND)
+        else:
+            try:
+                now = holder.cell_contents
+            except ValueError:
+                now = _UNBOUND
         if now is not value:
             raise LateBindingError(
                 f"intervention {callable_name(fn)} of invoke {inv.index} uses the variable {name!r}, which was "
