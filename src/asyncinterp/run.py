@@ -158,7 +158,7 @@ class _StaleWatch:
     def after(self, task):
         if tensor_version(self.view) == self.version:
             return
-        task.watch = None   # once
+        task.watch = None   # once per task
         where = await_site(task.coro) if not task.done else "its end"
         warnings.warn(StaleEditWarning(
             f"intervention {task.name!r} edited the value of {self.point.describe()} in place after the model had "
@@ -271,7 +271,7 @@ class Run:
             input, fns = None, (input,)
         for fn in fns:
             check_intervention(fn)
-        for name, v in kwargs.items():
+        for name, v in kwargs.items() if kwargs else ():
             if inspect.iscoroutine(v) or (callable(v) and is_async_fn(v)):
                 raise TypeError(
                     f"keyword argument {name}={callable_name(v)} looks like an intervention, but keyword arguments go "
@@ -397,7 +397,12 @@ class Run:
             point = firing.point
             for task, v in handed:
                 if not task.done and not v.is_inference():   # inference tensors have no version counter
-                    task.watch = _StaleWatch(v, point)
+                    watch = task.watch
+                    if watch is None:
+                        task.watch = _StaleWatch(v, point)
+                    else:
+                        watch.view = v
+                        watch.point = point
         return bool(kernel.failures or kernel.stop_requested or self.cancelled) and (
             kernel.interrupted or self.cancelled)
 
@@ -675,7 +680,8 @@ class Run:
                 raise RunCancelled("the run was cancelled; the forward stopped at a hook point and every hook was removed")
             kernel = self.kernel
             if not self.stopped:
-                self._check_skips()
+                if self._skips or self._pending_skips:
+                    self._check_skips()
                 kernel.finish()
             elif kernel.stop_requested and not kernel.failures:
                 kernel.end_step_loops()   # m.stop(): step loops end cleanly, the code after them runs
@@ -704,7 +710,8 @@ class Run:
         for inv in self.invokes:
             inv.finish()
             for task in inv.tasks:
-                if task.done and not task.closed and task.exc is None and _forgot_await(task.result):
+                if task.result is not None and task.done and not task.closed and task.exc is None \
+                        and _forgot_await(task.result):
                     task.exc = _forgot_await_error(task, task.result)
                     if kernel is not None:
                         kernel.failures.append(task.exc)
@@ -718,16 +725,16 @@ class Run:
         kernel = self.kernel
         if kernel is not None:
             kernel.close()
-        for h in reversed(self._handles):
-            h.remove()
-        self._handles.clear()
-        self._installed.clear()
-        self._kept.clear()
-        self._active.clear()
-        self._taps.clear()
-        self._skips.clear()
-        self._pending_skips.clear()
-        self._state.clear()
+        handles = self._handles
+        if handles:
+            for h in reversed(handles):
+                h.remove()
+            handles.clear()
+            self._installed.clear()
+            self._kept.clear()
+        for container in (self._active, self._taps, self._skips, self._pending_skips, self._state):
+            if container:
+                container.clear()
 
     def _raise(self, failures):
         if len(failures) == 1:
@@ -750,6 +757,9 @@ def _bound_names(fn):
     code = getattr(fn, "__code__", None)
     if code is None:
         return ()
+    names = _global_names(code)
+    if not names and not code.co_freevars:
+        return ()
     out = []
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
@@ -759,14 +769,14 @@ def _bound_names(fn):
         if not isinstance(value, _DEFINITIONS):
             out.append((fn, name, cell, value))
     glob = fn.__globals__
-    for name in _global_names(code):
+    for name in names:
         value = glob.get(name, _UNBOUND)
         if value is not _UNBOUND and not isinstance(value, _DEFINITIONS):
             out.append((fn, name, glob, value))
     return out
 
 
-_names_of_code = weakref.WeakKeyDictionary()   # code object -> the global names it (or its nested code) reads
+_names_of_code = {}   # code object -> the global names it (or its nested code) reads (code objects are few)
 
 
 def _global_names(code):
@@ -776,7 +786,9 @@ def _global_names(code):
         for const in code.co_consts:
             if hasattr(const, "co_names"):   # comprehensions, nested functions
                 found |= _global_names(const)
-        names = _names_of_code[code] = frozenset(found)
+        if len(_names_of_code) > 100_000:
+            _names_of_code.clear()
+        names = _names_of_code[code] = tuple(found)
     return names
 
 

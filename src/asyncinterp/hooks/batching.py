@@ -105,6 +105,11 @@ def forward_kwargs(invokes) -> dict:
     Invokes batched into one forward must agree on them (same names, equal
     values); invokes without input and without keywords do not count.
     """
+    for inv in invokes:
+        if inv.kwargs:
+            break
+    else:
+        return {}   # the common case: no keywords at all
     merged = None
     for inv in invokes:
         if inv.input is None and not inv.kwargs:
