@@ -73,6 +73,7 @@ class Invoke:
         self.tasks = []
         self.cancelled = False
         self.done = False              # set when the run is over
+        self.closures = ()             # variables its interventions read, as bound when it was added
         self.background = False        # runs beside the others (persistent edits): does not keep a generation going
 
     @property
@@ -137,40 +138,44 @@ class StaleEditWarning(UserWarning):
 
 
 class _StaleWatch:
-    """Watches the last tensor a task received, across the task's later resumptions.
+    """Watches the tensor a task holds across one wait on a future or a sub-task.
 
-    Installed when the firing that produced the tensor is over. If the task
-    changes it in place while it runs later (the classic: it waited on a
-    future set at a later point, then edited what it held), the model has
-    moved on and the edit is probably lost: warn, naming the point.
+    Armed when a task parks on a future/join while holding the value of a
+    point (``kernel.parked_holding``). When the task is resumed, if that point's
+    firing is over and the task then changes the tensor in place (the classic:
+    it waited on a future set at a later point, then edited what it held), the
+    model has moved on and the edit is lost: warn, naming the point. Only the
+    task's own resumption is watched, so the model's own in-place ops are not
+    blamed.
     """
 
-    __slots__ = ("view", "point", "version")
+    __slots__ = ("run", "view", "point", "version")
 
-    def __init__(self, view, point):
+    def __init__(self, run, view, point):
+        self.run = run
         self.view = view
         self.point = point
-        self.version = 0
+        self.version = None
 
     def before(self):
-        self.version = tensor_version(self.view)
+        if self.run.firing(self.point.key) is None:   # still inside that firing: edits count
+            self.version = tensor_version(self.view)
 
     def after(self, task):
-        if tensor_version(self.view) == self.version:
+        if self.version is None or tensor_version(self.view) == self.version:
             return
-        task.watch = None   # once per task
         where = await_site(task.coro) if not task.done else "its end"
         warnings.warn(StaleEditWarning(
             f"intervention {task.name!r} edited the value of {self.point.describe()} in place after the model had "
-            f"run past {self.point.describe()} (it was resumed later, now at {where}): the model has already "
-            "used that value, so the edit is probably lost. Edit values right after awaiting them (before "
-            "awaiting anything else), or replace a later point instead."), stacklevel=2)
+            f"run past {self.point.describe()} (it waited on a future or sub-task, and is now at {where}): the "
+            "model has already used that value, so the edit is lost. Edit values right after awaiting them "
+            "(before awaiting anything else), or replace a later point instead."), stacklevel=2)
 
 
 class Firing:
     """One hook point firing: the full value, per-invoke views, replacements."""
 
-    __slots__ = ("point", "value", "layout", "views", "replaced", "reshaped", "handed")
+    __slots__ = ("point", "value", "layout", "views", "replaced", "reshaped")
 
     def __init__(self, point, value, layout):
         self.point = point
@@ -179,7 +184,6 @@ class Firing:
         self.views = {}
         self.replaced = None
         self.reshaped = None      # a whole-batch replacement of another shape (opted in)
-        self.handed = None        # [(task, tensor)] given to tasks: watched for stale edits afterwards
 
     def base_view(self, group):
         views = self.views
@@ -195,11 +199,6 @@ class Firing:
         v = self.base_view(task.group)
         if trap.read is not None:
             v = trap.read(v)
-        if type(v) is torch.Tensor:
-            if self.handed is None:
-                self.handed = [(task, v)]
-            else:
-                self.handed.append((task, v))
         return v
 
     def replace(self, group, trap, new, shape_change: bool = False, dtype_change: bool = False):
@@ -279,7 +278,7 @@ class Run:
                     "run.invoke(x, fn)")
         inv = Invoke(self, len(self.invokes), input, fns, kwargs)
         if self.deferred:
-            inv.closures = [c for fn in fns for c in _bound_names(fn)]
+            inv.closures = _bound_names(fns[0]) if len(fns) == 1 else [c for fn in fns for c in _bound_names(fn)]
         self.invokes.append(inv)
         return inv
 
@@ -392,17 +391,6 @@ class Run:
                 del active[key]
             else:
                 active[key] = prev
-        handed = firing.handed
-        if handed is not None:
-            point = firing.point
-            for task, v in handed:
-                if not task.done and not v.is_inference():   # inference tensors have no version counter
-                    watch = task.watch
-                    if watch is None:
-                        task.watch = _StaleWatch(v, point)
-                    else:
-                        watch.view = v
-                        watch.point = point
         return bool(kernel.failures or kernel.stop_requested or self.cancelled) and (
             kernel.interrupted or self.cancelled)
 
@@ -546,6 +534,12 @@ class Run:
         finally:
             self._adhoc -= 1
 
+    def parked_holding(self, task) -> None:
+        """Kernel host: ``task`` waits on a future or sub-task holding the value of ``task.position``."""
+        v = task.last_value
+        if type(v) is torch.Tensor and not v.is_inference() and task.position is not None:
+            task.watch = _StaleWatch(self, v, task.position)
+
     def left_step_loop(self, task) -> None:
         """Kernel host: ``task`` finished while inside ``m.steps()`` (it left with ``break``/``return``).
 
@@ -637,7 +631,8 @@ class Run:
         ``finish`` and ``cleanup``.
         """
         for inv in self.invokes:
-            _check_closures(inv)
+            if inv.closures:
+                _check_closures(inv)
         kernel = self.kernel = Kernel(self, self.on_error)
         model = self.model
         for inv in self.invokes:
@@ -796,7 +791,7 @@ _DEFINITIONS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctio
 
 
 def _check_closures(inv) -> None:
-    for fn, name, holder, value in getattr(inv, "closures", ()):
+    for fn, name, holder, value in inv.closures:
         if type(holder) is dict:
             now = holder.get(name, _UNBOUND)
         else:

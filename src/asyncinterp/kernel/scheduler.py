@@ -76,7 +76,7 @@ class Task:
     __slots__ = (
         "coro", "group", "order", "name", "consumed", "step", "position",
         "waiting", "abort", "done", "closed", "result", "exc", "joiners", "parent", "observed",
-        "open_loops", "watch", "__weakref__",
+        "open_loops", "watch", "last_value", "__weakref__",
     )
 
     def __init__(self, coro, group, order, name, parent=None):
@@ -97,7 +97,8 @@ class Task:
         self.parent = parent
         self.observed = parent is None
         self.open_loops = 0         # step loops (m.steps()) entered and not yet ended
-        self.watch = None           # host object told before/after each resumption (watch.before(), .after(task))
+        self.watch = None           # host object told before/after the next resumption (watch.before(), .after(task))
+        self.last_value = None      # the value of the last point this task was resumed at (task.position)
 
     def __repr__(self):
         return f"<Task {self.name} invoke={self.group} {'done' if self.done else 'live'}>"
@@ -249,6 +250,7 @@ class Kernel:
                 except Exception as exc:  # a view that cannot be built: the task's problem
                     self._step(task, None, exc)
                 else:
+                    task.last_value = value
                     self._step(task, value, None)
                 if self.ready:
                     self.drain()
@@ -406,6 +408,7 @@ class Kernel:
         self.current_point = None
         for task in self.tasks:
             task.joiners = []
+            task.watch = task.last_value = None
             if task.exc is not None and not task.observed:
                 task.observed = True
                 self.failures.append(task.exc)
@@ -472,6 +475,7 @@ class Kernel:
         handlers = self._trap_handlers
         watch = task.watch
         if watch is not None:
+            task.watch = None   # for this resumption only
             watch.before()
         try:
             while True:
@@ -568,6 +572,7 @@ class Kernel:
         task.waiting = trap
         task.abort = _abort_future
         fut.add_done_callback(wait)
+        self._parked_holding(task)
         return None
 
     def _trap_step(self, task, trap):
@@ -588,7 +593,15 @@ class Kernel:
         task.waiting = trap
         task.abort = _abort_join
         child.joiners.append(task)
+        self._parked_holding(task)
         return None
+
+    def _parked_holding(self, task):
+        # parked on a future or a sub-task while holding the value of a point: the host may watch it
+        if task.last_value is not None:
+            parked = getattr(self.host, "parked_holding", None)
+            if parked is not None:
+                parked(task)
 
     def _trap_call(self, task, trap):
         try:
