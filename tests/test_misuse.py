@@ -192,3 +192,20 @@ def test_editing_a_held_value_after_the_model_moved_on_warns():
             return (await m[2].output).sum() + h.sum()
         inplace.trace(x, reads)
     assert torch.allclose(p.result, net[3](net[2](torch.zeros(1, 8))))
+
+
+def test_late_binding_check_reads_names_inside_comprehensions():
+    model = ai.wrap(_net())
+    scale = 2.0
+
+    async def uses_comprehension(m):
+        h = await m[0].output
+        return [v * scale for v in h.sum(-1).tolist()]
+
+    with model.trace() as run:
+        a = run.invoke(X[:1], uses_comprehension)
+    assert len(a.result) == 1
+    with pytest.raises(ai.LateBindingError, match="'scale'"):
+        with model.trace() as run:
+            run.invoke(X[:1], uses_comprehension)
+            scale = 3.0   # noqa: F841 - rebound before the run

@@ -780,7 +780,7 @@ def _global_names(code):
         found = set(code.co_names)
         for const in code.co_consts:
             if hasattr(const, "co_names"):   # comprehensions, nested functions
-                found |= _global_names(const)
+                found.update(_global_names(const))
         if len(_names_of_code) > 100_000:
             _names_of_code.clear()
         names = _names_of_code[code] = tuple(found)
