@@ -39,6 +39,10 @@ from .kernel.futures import Future
 from .kernel.scheduler import Kernel, callable_name, current_task
 from .kernel.traps import PointTrap
 
+#: ``run.context`` key of a list of ``(invoke index, event)`` pairs that a run's host hands to its caller
+#: as they are produced (the vLLM engine loop streams them out of worker processes, e.g. ``serve.emit``)
+EVENTS = "run.events"
+
 
 class StopForward(BaseException):
     """Raised through the model's forward to stop it now (not an Exception, so model code cannot catch it).

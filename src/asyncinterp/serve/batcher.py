@@ -24,6 +24,13 @@ on a :class:`~asyncinterp.LanguageModel`) are coalesced the same way into one
 ``max_new_tokens`` tokens or produced an end-of-sequence token: its step loop
 ends there (``Kernel.end_group``), exactly as if it had run alone, and its
 result is delivered at once, before the longer requests finish.
+
+On a vLLM engine (:class:`~asyncinterp.VLLM`, a model with ``submit``) there
+is no batching here at all: the engine batches continuously. Each request
+becomes its own run that joins the running engine between two steps
+(:mod:`asyncinterp.models.vllm.loop`), streams its tokens and emitted values
+as each step produces them, and gets its result the moment its own request
+finishes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import torch
 from .. import aio
 from ..kernel.errors import RunCancelled
 from ..kernel.scheduler import current_kernel, current_task
+from ..run import EVENTS
 
 log = logging.getLogger("asyncinterp.serve")
 
@@ -278,8 +286,12 @@ def emit(value) -> None:
     task = current_task()
     if kernel is None or task is None:
         return None
-    requests = kernel.host.context.get(REQUESTS)
+    context = kernel.host.context
+    requests = context.get(REQUESTS)
     if not requests:
+        events = context.get(EVENTS)    # in a vLLM worker process: the engine loop carries it to the request
+        if events is not None:
+            events.append((task.group, {"event": "emit", "step": kernel.step, "value": _snapshot(value)}))
         return None
     req = requests.get(task.group)
     if req is None:
@@ -371,6 +383,8 @@ class Batcher:
         self.ledger = Ledger()
         self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "fallbacks": 0, "cancelled": 0}
         self._is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
+        self._live = callable(getattr(model, "submit", None))   # an engine that batches by itself (vLLM)
+        self._running = set()            # live mode: the runs in the engine
 
     # ------------------------------------------------------------------ public
     async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, **kwargs):
@@ -409,7 +423,7 @@ class Batcher:
         return GenerationStream(self, req, self._deadline(timeout, req))
 
     def queue_size(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._running)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting requests; fail the queued ones; stop the running batch; join the worker."""
@@ -422,6 +436,8 @@ class Batcher:
             req.deliver(False, BatcherClosed("the batcher was closed before this request ran"))
         run = self._current
         if run is not None:
+            run.cancel()
+        for run in list(self._running):
             run.cancel()
         t = self._thread
         if t is not None and t is not threading.current_thread():
@@ -478,6 +494,8 @@ class Batcher:
         return _shape_key(input)
 
     def _submit(self, req):
+        if self._live:
+            return self._start_live(req)
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the batcher is closed")
@@ -517,6 +535,62 @@ class Batcher:
                 self._pending.remove(req)
             except ValueError:
                 pass
+
+    # ------------------------------------------------------------------ live engines (vLLM)
+    def _start_live(self, req):
+        """Hand ``req`` to the engine now as a run of its own (it joins before the next engine step)."""
+        model = self.model
+        with self._cond:
+            if self._closed:
+                raise BatcherClosed("the batcher is closed")
+            if len(self._running) >= self.max_queue + self.max_batch:
+                raise BatcherFull(f"{len(self._running)} requests are in the engine (max_queue + max_batch = "
+                                  f"{self.max_queue + self.max_batch}); try again later")
+        req.start()
+        try:
+            if req.kind == "generate":
+                run = model.generate(max_new_tokens=req.max_new_tokens, on_error="continue", **req.gen)
+            else:
+                run = model.trace(on_error="continue")
+            run.context[REQUESTS] = {0: req}
+            run.stop_per_invoke = True
+            inv = run.invoke(req.input, *req.fns, **req.kwargs)
+        except Exception as exc:  # noqa: BLE001 - this request's input or intervention is invalid
+            req.deliver(False, exc)
+            return
+        req.tokens = [inv.token_ids]      # the engine appends to it step by step
+        run.listener = _LiveListener(self, req)
+        with self._cond:
+            self._running.add(run)
+            running = len(self._running)
+        self.stats["requests"] += 1
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], running)   # most runs in the engine at once
+        req.attach(inv)
+        try:
+            model.submit(run)
+        except Exception as exc:  # noqa: BLE001 - e.g. the engine was closed
+            with self._cond:
+                self._running.discard(run)
+            req.deliver(False, exc)
+
+    def finish_live(self, req, run) -> None:
+        """A live run ended (engine loop thread): deliver its request's result or error."""
+        with self._cond:
+            self._running.discard(run)
+        if run.error is not None:
+            err = run.error
+            if isinstance(err, RunCancelled) or self._closed:
+                err = BatcherClosed("the batcher was closed while this request ran")
+            req.deliver(False, err)
+        elif req.kind == "generate":
+            req.finish_generation(self.model.tokenizer)
+        else:
+            try:
+                value = req.invoke.result
+            except BaseException as exc:  # noqa: BLE001
+                req.deliver(False, exc)
+            else:
+                req.deliver(True, value)
 
     # ------------------------------------------------------------------ worker
     def _worker(self):
@@ -602,9 +676,6 @@ class Batcher:
     def _run(self, live):
         model = self.model
         generating = live[0].kind == "generate"
-        # vLLM (ai.VLLM): every invoke is its own engine request with its own max_new_tokens, and it
-        # leaves the engine by itself; no watch over a shared generation is needed
-        native = generating and getattr(model, "native_requests", False)
         if generating:
             n_max = max(r.max_new_tokens for r in live)
             run = model.generate(max_new_tokens=n_max, on_error="continue", **live[0].gen)
@@ -617,8 +688,7 @@ class Batcher:
         run.stop_per_invoke = True
         for r in live:
             try:
-                extra = {"max_new_tokens": r.max_new_tokens} if native else {}
-                inv = run.invoke(r.input, *r.fns, **r.kwargs, **extra)
+                inv = run.invoke(r.input, *r.fns, **r.kwargs)
             except Exception as exc:  # this request's input or intervention is invalid: only it fails
                 r.deliver(False, exc)
                 continue
@@ -626,7 +696,7 @@ class Batcher:
             r.attach(inv)
         if not requests:
             return
-        if generating and not native:
+        if generating:
             run.invoke(None, _GenerationWatch(self, run, requests))
         self._current = run
         try:
@@ -639,8 +709,6 @@ class Batcher:
             self._current = None
         for idx, r in requests.items():
             if generating:
-                if native and r.tokens is None:
-                    r.tokens = [list(r.invoke.token_ids)]
                 r.finish_generation(model.tokenizer)
             else:
                 try:
@@ -665,6 +733,28 @@ async def _next_item(req, deadline):
             if time.monotonic() >= deadline + meter.credit():
                 raise
             # foreign code ran meanwhile: the deadline moved on; wait again (the item stays queued)
+
+
+class _LiveListener:
+    """Hears a live vLLM run's tokens, emitted values and end (in the engine loop's thread)."""
+
+    __slots__ = ("batcher", "req")
+
+    def __init__(self, batcher, req):
+        self.batcher = batcher
+        self.req = req
+
+    def on_output(self, invoke) -> None:
+        self.req.stream_tokens(self.batcher.model.tokenizer)
+
+    def on_event(self, index, item) -> None:
+        req = self.req
+        req.emitted.append(item)
+        if req.stream:
+            req.event(item)
+
+    def on_finish(self, run) -> None:
+        self.batcher.finish_live(self.req, run)
 
 
 class GenerationStream:

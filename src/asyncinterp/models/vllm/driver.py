@@ -33,10 +33,9 @@ engine, aborts requests when a task stops the run, and collects tokens.
 
 from __future__ import annotations
 
-import itertools
+import logging
 import os
 import sys
-import tempfile
 import threading
 
 import torch
@@ -45,20 +44,22 @@ from ...kernel.errors import RunCancelled
 from ...model import Trace
 from ...run import check_intervention
 from ..generating import Generated, GeneratedInvoke, GeneratingModel
+from .loop import EngineClosed, EngineLoop
 from .worker import (
-    Flags,
     Outcome,
     VLLMRoot,
     rpc_cancel,
     rpc_close,
     rpc_init,
     rpc_open,
+    rpc_poll,
     rpc_shutdown,
 )
 
-__all__ = ["VLLM", "VLLMInvoke", "VLLMRun", "HooksUnavailableError"]
+__all__ = ["VLLM", "VLLMInvoke", "VLLMRun", "HooksUnavailableError", "EngineClosed"]
 
-_run_ids = itertools.count(1)
+log = logging.getLogger("asyncinterp.vllm")
+_loop_lock = threading.Lock()
 
 
 class HooksUnavailableError(RuntimeError):
@@ -169,30 +170,43 @@ class VLLMInvoke(GeneratedInvoke):
 
 
 class VLLMRun(Trace):
-    """A trace (``max_new_tokens=1``) or generation on a :class:`VLLM` model: one request per invoke."""
+    """A trace (``max_new_tokens=1``) or generation on a :class:`VLLM` model: one request per invoke.
+
+    Running it submits it to the engine's live loop (:mod:`.loop`) as a job:
+    it joins the engine between two steps, beside whatever else runs there,
+    and is done when its own requests finish. ``listener`` (serving): an
+    object whose ``on_output(invoke)``, ``on_event(index, item)`` and
+    ``on_finish(run)`` the loop thread calls as the run's requests produce
+    tokens, its interventions emit values, and when it is done.
+    """
 
     def __init__(self, model, max_new_tokens: int | None = 1, sampling: dict | None = None,
                  on_error: str = "stop"):
         Trace.__init__(self, model, on_error=on_error)
         self.max_new_tokens = max_new_tokens
         self.sampling = dict(sampling or {})
+        self.listener = None
+        self.key = None               # the job key (the loop sets it)
+        self.pending = set()          # ids of this run's requests still in the engine
+        self.opened = False           # its worker run is open (it has interventions)
+        self.halted = False
+        self.error = None             # what ended the run from outside its interventions (admission, engine)
+        self.aborted = False          # its requests were aborted because the run was cancelled
+        self.finished_event = threading.Event()
+        self._by_id = {}
+        self.failures = []
         self._cancels = []
         self._stop_seen = set()
+        self._stepped = False
 
-    def worker_run(self):
-        """The worker-side run of this run when the model is in this process (TP=1), else ``None``."""
-        session = self.model.local_session
-        return session.run if session is not None else None
-
+    # ------------------------------------------------------------------ building (caller thread)
     def cancel_invoke(self, index) -> None:
-        """Thread-safe: abort invoke ``index``'s request after the current step and close its interventions."""
+        """Thread-safe: abort invoke ``index``'s request before the next step and close its interventions."""
         self._cancels.append(index)
-        wrun = self.worker_run()
-        if wrun is not None and wrun.kernel is not None:
-            wrun.kernel.cancel_group(index)
+        self._wake()
 
     def invoke(self, input=None, *fns, sampling_params=None, **sampling) -> VLLMInvoke:
-        """Add a prompt (``None``: an invoke that sees every request) and its interventions.
+        """Add a prompt (``None``: an invoke that sees every request of this run) and its interventions.
 
         ``sampling_params`` (a ``vllm.SamplingParams``) or keywords
         (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
@@ -208,6 +222,10 @@ class VLLMRun(Trace):
             raise TypeError("an invoke without a prompt has no request, so it takes no sampling parameters")
         if input is not None:
             inv.prompt_ids = _prompt_ids(input, self.model.tokenizer)
+            check = self.model.max_model_len
+            if check is not None and len(inv.prompt_ids) >= check:
+                raise ValueError(f"a prompt of {len(inv.prompt_ids)} tokens does not fit the engine's max_model_len "
+                                 f"of {check} (it needs room for at least one new token)")
             inv.params = self._params(sampling_params, sampling)
         self.invokes.append(inv)
         return inv
@@ -229,128 +247,191 @@ class VLLMRun(Trace):
         return params
 
     def cancel(self) -> None:
-        """Thread-safe: stop at the next hook point, abort the requests, raise ``RunCancelled``."""
+        """Thread-safe: abort the requests before the next engine step; the run raises ``RunCancelled``."""
         self.cancelled = True
-        wrun = self.worker_run()
-        if wrun is not None:
-            wrun.cancelled = True
+        self._wake()
 
-    # ------------------------------------------------------------------ the engine loop
+    def _wake(self):
+        loop = self.model.loop
+        if loop is not None:
+            loop.wake()
+
+    @property
+    def intervened(self) -> bool:
+        """Some invoke has interventions (its requests then get their own KV blocks, see :meth:`admit`)."""
+        return any(inv.fns for inv in self.invokes)
+
+    # ------------------------------------------------------------------ running (caller thread)
     def drive(self) -> None:
-        """Add the requests, open the run on every rank, step the engine until they finish, close the run."""
-        model = self.model
-        engine = model.engine
-        invokes = self.invokes
-        mine = [inv for inv in invokes if inv.input is not None]
-        if not mine:
+        """Submit the run to the engine loop and wait until its requests have finished."""
+        if not any(inv.input is not None for inv in self.invokes):
             raise ValueError("no invoke has a prompt: give at least one invoke a prompt to run the model on")
-        tag = f"ai{next(_run_ids)}-{os.getpid()}"
-        by_id = {}
-        for inv in mine:
-            check = model.max_model_len
-            if check is not None and len(inv.prompt_ids) >= check:
-                raise ValueError(f"a prompt of {len(inv.prompt_ids)} tokens does not fit the engine's max_model_len "
-                                 f"of {check} (it needs room for at least one new token)")
-        flags = model.flags
-        flags.reset()
-        internal = {}
-        try:
-            for inv in mine:
-                ext = f"{tag}-{inv.index}"
-                internal[inv.index] = engine.add_request(ext, {"prompt_token_ids": list(inv.prompt_ids)}, inv.params)
-                inv.request_id = ext
-                by_id[ext] = inv
-            payload = [(internal.get(inv.index), inv.fns) for inv in invokes]
-            if model.tp > 1:
-                payload = _dumps(payload)
-            extras = None
-            if model.tp == 1 and self.context:
-                # serving (in process): serve.emit finds its requests, m.stop() ends one request only
-                extras = {"context": self.context, "stop_per_invoke": self.stop_per_invoke}
-            model.rpc(rpc_open, self.on_error, payload, extras)
-        except BaseException:
-            _abort(engine, list(by_id))
-            raise
-        pending = set(by_id)
-        halted = False
-        cancelled = False
-        try:
-            while pending:
-                if self.cancelled:
-                    cancelled = True
-                    break
-                if self._cancels:
-                    self._apply_cancels(engine, pending)
-                    if not pending:
-                        break
-                if flags.halted:
-                    halted = True
-                    break
-                outs = engine.step()
-                halted = flags.halted
-                ended = self._stopped_invokes()
-                for out in outs:
-                    inv = by_id.get(out.request_id)
-                    if inv is None:
-                        continue
-                    if not halted and inv.index not in ended:
-                        for c in out.outputs[:1]:
-                            inv.add_output(c, out.finished)
-                    if out.finished:
-                        pending.discard(out.request_id)
-                if outs and flags.steps == 0:
-                    raise HooksUnavailableError(
-                        f"the engine ran a step but asyncinterp's hooks on {type(model.module).__name__} did not "
-                        f"fire. {_COMPILE_HINT}.")
-                if halted:
-                    break
-                if ended:
-                    ids = [inv.request_id for inv in mine if inv.index in ended and inv.request_id in pending]
-                    if ids:
-                        _abort(engine, ids)
-                        pending.difference_update(ids)
-                if pending and not engine.has_unfinished_requests():
-                    break
-        except BaseException:
-            cancelled = True
-            raise
-        finally:
-            if pending:
-                _abort(engine, list(pending))
-            back = model.rpc(rpc_close, cancelled, model.tp > 1)
-            self.done = True
-            self.stopped = halted
-            self.output = mine
-            outcomes, failures = back if back is not None else ([[] for _ in invokes], [])
-            for inv, tasks in zip(invokes, outcomes):
-                inv.tasks = tasks
-            for inv in invokes:
-                inv.done = True      # Invoke.result reads it (Run.finished is not called on this path)
-        if cancelled and self.cancelled:
-            raise RunCancelled("the run was cancelled; the engine stopped after its current step, the requests "
-                               "were aborted and every hook was removed")
+        loop = self.model.live_loop()
+        if loop.in_loop_thread():
+            raise RuntimeError("a vLLM run cannot start another run of the same engine from inside an intervention "
+                               "(it would wait for the step the intervention is part of)")
+        loop.submit(self)
+        while not self.finished_event.wait(1.0):
+            pass
+        self.raise_outcome()
+
+    def raise_outcome(self) -> None:
+        """After the run: raise what ended it (engine error, cancellation) or its failures (``on_error="stop"``)."""
+        if self.error is not None:
+            raise self.error
+        if self.aborted and self.cancelled:
+            raise RunCancelled("the run was cancelled; its requests were aborted before the next engine step and "
+                               "its hooks removed (the engine went on with the other requests)")
+        failures = self.failures
         if failures and self.on_error == "stop":
             self._raise(failures)
 
-    def _stopped_invokes(self) -> set:
-        """Invokes whose task called m.stop() in this step, in a run that stops one invoke at a time."""
-        wrun = self.worker_run()
-        if wrun is None or not wrun.stopped_invokes:
-            return set()
-        new = wrun.stopped_invokes - self._stop_seen
-        self._stop_seen |= new
-        return new
+    # ------------------------------------------------------------------ in the engine loop's thread
+    def admit(self, loop) -> bool:
+        """Add the requests and open the worker run. ``False``: the run failed and is already finished.
 
-    def _apply_cancels(self, engine, pending):
-        groups = set()
-        while self._cancels:
-            groups.add(self._cancels.pop())
-        ids = [inv.request_id for inv in self.invokes if inv.index in groups and inv.request_id in pending]
-        if ids:
-            _abort(engine, ids)
-            pending.difference_update(ids)
-        if self.model.tp > 1:
-            self.model.rpc(rpc_cancel, sorted(groups))
+        A run with interventions gives each of its requests a cache salt of its own: its KV blocks are
+        neither read from vLLM's prefix cache (so it sees, and can edit, every prompt position) nor
+        reused by any other request (so its edits cannot leak into another request's outputs). Plain
+        runs share the cache as usual.
+        """
+        model = self.model
+        engine = loop.engine
+        salted = self.intervened
+        internal = {}
+        try:
+            for inv in self.invokes:
+                if inv.input is None:
+                    continue
+                ext = f"{self.key}-{inv.index}"
+                prompt = {"prompt_token_ids": list(inv.prompt_ids)}
+                if salted:
+                    prompt["cache_salt"] = f"asyncinterp-{os.getpid()}-{ext}"
+                internal[inv.index] = engine.add_request(ext, prompt, inv.params)
+                inv.request_id = ext
+                self._by_id[ext] = inv
+                self.pending.add(ext)
+            if salted:
+                payload = [(internal.get(inv.index), inv.fns) for inv in self.invokes]
+                if model.tp > 1:
+                    payload = _dumps(payload)
+                    extras = {"stop_per_invoke": self.stop_per_invoke}
+                else:
+                    extras = {"context": self.context, "stop_per_invoke": self.stop_per_invoke}
+                self.opened = True
+                model.rpc(rpc_open, self.key, self.on_error, payload, extras)
+        except BaseException as exc:  # noqa: BLE001 - this run fails alone
+            self.fail(exc)
+            self.close()
+            return False
+        return True
+
+    def before_step(self, engine) -> None:
+        """Apply cancellations: the run's (or some invokes') requests leave the engine now."""
+        if self.cancelled and self.pending:
+            _abort(engine, list(self.pending))
+            self.pending.clear()
+            self.aborted = True
+            return
+        if self._cancels:
+            groups = set()
+            while self._cancels:
+                groups.add(self._cancels.pop())
+            ids = [inv.request_id for inv in self.invokes if inv.index in groups and inv.request_id in self.pending]
+            if ids:
+                _abort(engine, ids)
+                self.pending.difference_update(ids)
+            if self.opened:
+                self.model.cancel_groups(self.key, sorted(groups))
+
+    def after_step(self, engine, outs, status, idle: bool) -> None:
+        """Take this step's outputs of the run's requests and what its worker run reports."""
+        halted = False
+        ended = ()
+        if status is not None:
+            halted, steps, stopped, events = status
+            if outs and self._stepped is False and steps == 0:
+                raise HooksUnavailableError(
+                    f"the engine ran a step but asyncinterp's hooks on {type(self.model.module).__name__} did not "
+                    f"fire. {_COMPILE_HINT}.")
+            ended = set(stopped) - self._stop_seen
+            self._stop_seen |= ended
+            listener = self.listener
+            if events and listener is not None:
+                for index, item in events:
+                    listener.on_event(index, item)
+        if outs:
+            self._stepped = True
+        listener = self.listener
+        for out in outs:
+            inv = self._by_id[out.request_id]
+            if not halted and inv.index not in ended:
+                for c in out.outputs[:1]:
+                    inv.add_output(c, out.finished)
+                if listener is not None:
+                    listener.on_output(inv)
+            if out.finished:
+                self.pending.discard(out.request_id)
+        if halted:
+            self.halted = True
+            if self.pending:
+                _abort(engine, list(self.pending))
+                self.pending.clear()
+        elif ended:
+            ids = [inv.request_id for inv in self.invokes if inv.index in ended and inv.request_id in self.pending]
+            if ids:
+                _abort(engine, ids)
+                self.pending.difference_update(ids)
+        if self.pending and idle:
+            self.pending.clear()    # the engine has nothing left to run: they were dropped
+
+    def fail(self, exc) -> None:
+        """Something outside the interventions failed (admission, the engine): abort, remember ``exc``."""
+        if self.pending:
+            try:
+                _abort(self.model.engine, list(self.pending))
+            except Exception:  # noqa: BLE001 - the engine may be broken; the run fails anyway
+                pass
+            self.pending.clear()
+        if self.error is None:
+            self.error = exc
+
+    def fail_before_admission(self, exc) -> None:
+        self.error = exc
+        self.close()
+
+    def finished_requests(self) -> bool:
+        return not self.pending
+
+    def close(self) -> None:
+        """Close the worker run, record outcomes, wake the caller and the listener."""
+        model = self.model
+        outcomes = failures = None
+        try:
+            if self.opened:
+                self.opened = False
+                back = model.rpc(rpc_close, self.key, self.aborted or self.error is not None, model.tp > 1)
+                if back is not None:
+                    outcomes, failures = back
+        except BaseException as exc:  # noqa: BLE001
+            if self.error is None:
+                self.error = exc
+        finally:
+            self.done = True
+            self.stopped = self.halted
+            self.output = [inv for inv in self.invokes if inv.input is not None]
+            self.failures = list(failures or ())
+            for inv, tasks in zip(self.invokes, outcomes or [[] for _ in self.invokes]):
+                inv.tasks = tasks
+            for inv in self.invokes:
+                inv.done = True      # Invoke.result reads it (Run.finished is not called on this path)
+            listener = self.listener
+            self.finished_event.set()
+            if listener is not None:
+                try:
+                    listener.on_finish(self)
+                except Exception:  # noqa: BLE001 - a listener must not break the loop
+                    log.exception("vLLM run listener failed")
 
 
 def _abort(engine, ids):
@@ -487,10 +568,6 @@ class VLLM(GeneratingModel, VLLMRoot):
     plus ``m.logits``, ``m.tokens`` and ``layers[i].hidden``.
     """
 
-    #: each invoke is its own engine request with its own ``max_new_tokens`` (the serving batcher
-    #: passes it per request instead of watching a shared generation)
-    native_requests = True
-
     def __init__(self, model_dir, tokenizer=None, **engine_kwargs):
         kw = _check_engine_kwargs(engine_kwargs)
         tp = int(kw.get("tensor_parallel_size", 1) or 1)
@@ -510,20 +587,14 @@ class VLLM(GeneratingModel, VLLMRoot):
             tok = llm.get_tokenizer()
             options = {"model_dir": str(model_dir)}
             local = None
-            flags = None
             if tp == 1:
                 runner = engine.model_executor.driver_worker.worker.model_runner
                 VLLMRoot.__init__(self, runner.model, runner.sampler)
                 options.update(root=self, tokenizer=tok)
                 llm.collective_rpc(rpc_init, args=(options,))
                 local = engine.model_executor.driver_worker.asyncinterp_session
-                flags = local.flags
             else:
-                fd, path = tempfile.mkstemp(prefix="asyncinterp-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                            else None)
-                os.close(fd)
-                flags = Flags(path, create=True)
-                options.update(flags_path=path, skeleton=True)
+                options.update(skeleton=True)
                 skeleton = [s for s in llm.collective_rpc(rpc_init, args=(options,)) if s is not None][0]
                 VLLMRoot.__init__(self, _skeleton(skeleton), None)
         except BaseException:
@@ -535,7 +606,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         init(self, "tokenizer", tok)
         init(self, "tp", tp)
         init(self, "model_dir", str(model_dir))
-        init(self, "flags", flags)                   #: the worker's flag block (halted, steps), read after each step
+        init(self, "loop", None)                     #: the live engine loop (:mod:`.loop`), made on first use
         init(self, "local_session", local)           #: the WorkerSession in this process (TP=1), else None
         init(self, "closed", False)
         init(self, "max_model_len", getattr(engine.vllm_config.model_config, "max_model_len", None))
@@ -557,22 +628,63 @@ class VLLM(GeneratingModel, VLLMRoot):
         """Run ``fn(worker, *args)`` on every rank (in process for TP=1); returns rank 0's answer."""
         return self.llm.collective_rpc(fn, args=args)[0]
 
+    def poll(self, keys) -> dict:
+        """``{key: (halted, steps, stopped invokes, events)}`` of the open worker runs among ``keys``."""
+        if not keys:
+            return {}
+        local = self.local_session
+        if local is not None:
+            return {key: local.status(key) for key in keys}
+        return self.rpc(rpc_poll, keys) or {}
+
+    def cancel_groups(self, key, groups) -> None:
+        """Close the tasks of these invokes of run ``key`` at their next hook point."""
+        local = self.local_session
+        if local is not None:
+            run = local.runs.get(key)
+            if run is not None and run.kernel is not None:
+                for g in groups:
+                    run.kernel.cancel_group(g)
+            return
+        self.rpc(rpc_cancel, key, groups)
+
+    def live_loop(self) -> EngineLoop:
+        """The engine's live loop (one per engine, started on first use)."""
+        if self.closed:
+            raise EngineClosed("this VLLM model was closed")
+        loop = self.loop
+        if loop is None:
+            with _loop_lock:
+                loop = self.loop
+                if loop is None:
+                    loop = EngineLoop(self)
+                    object.__setattr__(self, "loop", loop)
+        return loop
+
     def new_run(self, **options) -> VLLMRun:
         return VLLMRun(self, max_new_tokens=1, on_error=options.get("on_error", "stop"))
 
+    def submit(self, run) -> None:
+        """Start ``run`` without waiting: it joins the engine before its next step (serving).
+
+        Its ``listener`` hears about its tokens, emitted values and end; ``run.finished_event`` is set
+        when it is done (then :meth:`VLLMRun.raise_outcome` raises what failed).
+        """
+        if not any(inv.input is not None for inv in run.invokes):
+            raise ValueError("no invoke has a prompt: give at least one invoke a prompt to run the model on")
+        self._prepare(run)
+        self.live_loop().submit(run)
+
     def execute(self, run) -> None:
+        self._prepare(run)
+        run.drive()
+
+    def _prepare(self, run):
         if self.closed:
-            raise RuntimeError("this VLLM model was closed")
+            raise EngineClosed("this VLLM model was closed")
         if self.edits:
             from ...tools.edit import apply_edits
             apply_edits(self, run)
-        lock = self.run_lock
-        if not lock.acquire(timeout=self.lock_timeout):
-            raise RuntimeError(f"the model is busy with another run for more than {self.lock_timeout} s")
-        try:
-            run.drive()
-        finally:
-            lock.release()
 
     # ------------------------------------------------------------------ API
     def _generation(self, max_new_tokens, on_error, sampling) -> VLLMRun:
@@ -583,14 +695,13 @@ class VLLM(GeneratingModel, VLLMRoot):
         if self.closed:
             return
         object.__setattr__(self, "closed", True)
+        if self.loop is not None:
+            self.loop.close()
         try:
             self.llm.collective_rpc(rpc_shutdown)
         except Exception:  # noqa: BLE001 - best effort
             pass
         _shutdown_engine(self.llm)
-        flags = self.flags
-        if flags is not None:
-            flags.close(unlink=True)
 
     def __enter__(self):
         return self

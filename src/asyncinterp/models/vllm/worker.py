@@ -9,30 +9,31 @@ sharded ones are gathered, see :mod:`.tp`), so every rank makes the same
 edits and vLLM's ranks stay in step. The return values of rank 0 go back to
 the driver.
 
-A run on the worker side (:class:`WorkerRun`) spans many engine steps:
+A run on the worker side (:class:`WorkerRun`) spans the engine steps of one
+job of the live engine loop (see :mod:`.loop`); several runs are open at once,
+each over its own requests, each keyed by the job's key:
 
-* ``open`` (one RPC before the first step) spawns the tasks and lets them run
-  to their first await, which installs hooks lazily as usual;
+* ``open`` (one RPC between two steps, before the run's first step) spawns the
+  tasks and lets them run to their first await, which installs hooks lazily;
 * a pre-hook on the top-level model marks each engine step: it re-reads the
   runner's request order and query offsets into the :class:`FlatLayout`,
   ends the invokes whose request has finished (``Kernel.end_group``: their
   step loops end, code after them runs) and starts a kernel step in which
   only the invokes with tokens scheduled take part (``begin_step(active)``);
-* ``close`` (one RPC after the last step) finishes the kernel, removes every
-  hook and returns each task's outcome.
+* ``close`` (one RPC after the step that finished its last request) finishes
+  the kernel, removes its hooks and returns each task's outcome.
 
 A stop request (``m.stop()``) or a failure does not unwind vLLM's forward
-(that would corrupt the engine's state); the run is *halted* instead: no
-hook delivers anything any more, and the driver aborts the requests after the
-step. The driver learns about it through a small flag block (:class:`Flags`,
-shared memory under tensor parallelism).
+(that would corrupt the engine's state and fail every other request); the run
+is *halted* instead: its hooks deliver nothing any more, and the driver aborts
+its requests after the step. The driver learns about it by polling the open
+runs after each step (:func:`rpc_poll`; a direct call in process), which also
+carries the values that interventions :func:`emit` meanwhile under tensor
+parallelism.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import struct
 import traceback
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from ...hooks.modules import submodules
 from ...kernel.errors import NotInRunError, ReplacementError
 from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
-from ...run import Run, StopForward
+from ...run import EVENTS, Run, StopForward
 from ..generating import Generated, generation_point
 from .layout import FlatLayout, replace_fields
 from .tp import sharding_for
@@ -311,64 +312,6 @@ def find_layers(module) -> list:
     return []
 
 
-# ----------------------------------------------------------------------------- flags shared with the driver
-
-
-class Flags:
-    """A few numbers the worker (rank 0) writes and the driver reads after each engine step.
-
-    In process a plain bytearray; under tensor parallelism a small file in
-    shared memory (``/dev/shm``), mapped by the driver and every worker.
-    """
-
-    SIZE = 16
-
-    def __init__(self, path: str | None = None, create: bool = False):
-        self.path = path
-        self._file = None
-        if path is None:
-            self._buf = bytearray(self.SIZE)
-            return
-        if create:
-            with open(path, "wb") as f:
-                f.write(b"\0" * self.SIZE)
-        self._file = open(path, "r+b")
-        self._buf = mmap.mmap(self._file.fileno(), self.SIZE)
-
-    @property
-    def halted(self) -> bool:
-        return self._buf[0] != 0
-
-    @halted.setter
-    def halted(self, value: bool) -> None:
-        self._buf[0] = 1 if value else 0
-
-    @property
-    def steps(self) -> int:
-        return struct.unpack_from("<i", self._buf, 4)[0]
-
-    @steps.setter
-    def steps(self, value: int) -> None:
-        struct.pack_into("<i", self._buf, 4, int(value))
-
-    def reset(self) -> None:
-        self._buf[: self.SIZE] = b"\0" * self.SIZE
-
-    def close(self, unlink: bool = False) -> None:
-        if self._file is not None:
-            try:
-                self._buf.close()
-                self._file.close()
-            except (BufferError, ValueError):
-                pass
-            self._file = None
-            if unlink and self.path:
-                try:
-                    os.unlink(self.path)
-                except OSError:
-                    pass
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -400,7 +343,7 @@ class WorkerRun(Run):
         self.left = set()         # invoke groups whose request has finished
         self.halted = False
         self.nsteps = 0
-        self._recorder = None
+        self.recorder = None
         model = self.runner.model
         self._ranked = {}
         lp = getattr(model, "logits_processor", None)
@@ -423,8 +366,8 @@ class WorkerRun(Run):
         self.on_cleanup(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         self.keep_alive(model)
         root = self.model
-        if root.needs_order_recording():
-            self._recorder = root.start_order_recording()
+        if root.needs_order_recording() and not any(r.recorder for r in self.session.runs.values()):
+            self.recorder = root.start_order_recording()
         try:
             self.start()
         except StopForward:
@@ -469,8 +412,6 @@ class WorkerRun(Run):
         else:
             kernel.begin_step(active)
         self.nsteps += 1
-        if self.session.rank == 0:
-            self.session.flags.steps = self.nsteps
         if kernel.interrupted:
             self.halt()
         return None
@@ -479,8 +420,6 @@ class WorkerRun(Run):
         """Stop delivering anything (a stop or a failure; vLLM's forward is not unwound); tell the driver."""
         self.halted = True
         self.stopped = True
-        if self.session.rank == 0:
-            self.session.flags.halted = True
 
     # ------------------------------------------------------------------ hooks
     def output_hook(self, point):
@@ -582,9 +521,9 @@ class WorkerRun(Run):
 
     # ----------------------------------------------------------------- closing
     def _stop_recording(self):
-        rec = self._recorder
+        rec = self.recorder
         if rec is not None:
-            self._recorder = None
+            self.recorder = None
             rec.stop()
             self.model.finish_order_recording(rec)
 
@@ -609,9 +548,9 @@ class WorkerRun(Run):
 
 
 class WorkerSession:
-    """Per worker (or in process): the root envoy over the real model, the flags, the current run."""
+    """Per worker (or in process): the root envoy over the real model and the open runs, by job key."""
 
-    def __init__(self, worker, root=None, flags_path=None, model_dir=None, tokenizer=None):
+    def __init__(self, worker, root=None, model_dir=None, tokenizer=None):
         runner = worker.model_runner
         self.runner = runner
         self.model_dir = model_dir
@@ -625,8 +564,7 @@ class WorkerSession:
         if root is None:
             root = VLLMRoot(runner.model, runner.sampler)
         self.root = root
-        self.flags = Flags(flags_path) if flags_path else Flags()
-        self.run = None
+        self.runs = {}            # job key -> open WorkerRun
 
     def decode(self, ids):
         tok = self._tokenizer
@@ -638,11 +576,37 @@ class WorkerSession:
                 return None
         return None if tok is None else tok.decode(ids, skip_special_tokens=True)
 
+    def open(self, key, on_error, invokes, extras=None) -> "WorkerRun":
+        if key in self.runs:
+            raise RuntimeError(f"a run with key {key!r} is already open on this worker")
+        run = WorkerRun(self, on_error=on_error)
+        for k, v in (extras or {}).items():
+            setattr(run, k, v)
+        run.context.setdefault(EVENTS, [])
+        self.runs[key] = run
+        try:
+            run.open(invokes)
+        except BaseException:
+            self.runs.pop(key, None)
+            raise
+        return run
+
+    def status(self, key):
+        """``(halted, steps, stopped invokes, events)`` of an open run; its events are handed over once."""
+        run = self.runs.get(key)
+        if run is None:
+            return None
+        events = run.context.get(EVENTS)
+        taken = list(events) if events else []
+        if events:
+            events.clear()
+        return run.halted, run.nsteps, sorted(run.stopped_invokes), taken
+
     def close(self):
-        if self.run is not None and not self.run.done:
-            self.run.close(cancelled=True)
-        self.run = None
-        self.flags.close()
+        for run in list(self.runs.values()):
+            if not run.done:
+                run.close(cancelled=True)
+        self.runs.clear()
 
 
 def skeleton_of(module) -> list:
@@ -669,36 +633,37 @@ def _load(payload):
     return payload
 
 
-def rpc_open(worker, on_error: str, payload, extras=None):
-    """Start a run: ``payload`` is ``[(request id or None, [fn, ...]), ...]`` (cloudpickled bytes under TP).
+def rpc_open(worker, key, on_error: str, payload, extras=None):
+    """Open run ``key``: ``payload`` is ``[(request id or None, [fn, ...]), ...]`` (cloudpickled bytes under TP).
 
-    ``extras``: attributes set on the run before its tasks start (in process only, e.g. the serving
-    batcher's request table that ``serve.emit`` looks up).
+    ``extras``: attributes set on the run before its tasks start (in process: the driver run's
+    ``context``, which holds e.g. the serving batcher's request table that ``serve.emit`` looks up).
     """
-    session = worker.asyncinterp_session
-    if session.run is not None and not session.run.done:
-        session.run.close(cancelled=True)
-    run = session.run = WorkerRun(session, on_error=on_error)
-    for k, v in (extras or {}).items():
-        setattr(run, k, v)
-    run.open(_load(payload))
+    worker.asyncinterp_session.open(key, on_error, _load(payload), extras)
     return None
 
 
-def rpc_cancel(worker, groups):
-    """Close the tasks of these invoke groups at the next hook point (their requests were aborted)."""
-    run = worker.asyncinterp_session.run
+def rpc_poll(worker, keys):
+    """Rank 0: ``{key: (halted, steps, stopped invokes, events)}`` for the open runs among ``keys``."""
+    session = worker.asyncinterp_session
+    if session.rank != 0:
+        return None
+    return {key: session.status(key) for key in keys}
+
+
+def rpc_cancel(worker, key, groups):
+    """Close the tasks of these invoke groups of run ``key`` at the next hook point (their requests were aborted)."""
+    run = worker.asyncinterp_session.runs.get(key)
     if run is not None and run.kernel is not None:
         for g in groups:
             run.kernel.cancel_group(g)
     return None
 
 
-def rpc_close(worker, cancelled: bool = False, portable: bool = False):
-    """End the run; rank 0 returns ``(outcomes, failures)`` (made picklable when ``portable``)."""
+def rpc_close(worker, key, cancelled: bool = False, portable: bool = False):
+    """End run ``key``; rank 0 returns ``(outcomes, failures)`` (made picklable when ``portable``)."""
     session = worker.asyncinterp_session
-    run = session.run
-    session.run = None
+    run = session.runs.pop(key, None)
     if run is None:
         return None
     outcomes, failures = run.close(cancelled=cancelled)
