@@ -152,6 +152,7 @@ class VLLMInvoke(GeneratedInvoke):
         self.token_ids = []
         self.text_pieces = []        # vLLM's detokenized text, one piece per engine step
         self.finish_reason = None
+        self.logprobs = []           # with logprobs=k: per generated token, {token id: log-probability}
 
     def cancel(self) -> None:
         """Thread-safe: abort this invoke's request and close its interventions; the others go on."""
@@ -162,6 +163,9 @@ class VLLMInvoke(GeneratedInvoke):
         """Record one engine step's output for this request (a vLLM ``CompletionOutput``, delta mode)."""
         self.token_ids.extend(completion.token_ids)
         self.text_pieces.append(completion.text)
+        if completion.logprobs:
+            self.logprobs.extend({int(t): float(lp.logprob) for t, lp in entry.items()}
+                                 for entry in completion.logprobs)
         if finished:
             self.finish_reason = completion.finish_reason
 
@@ -320,6 +324,8 @@ class VLLMRun(Trace):
                     extras = {"context": self.context, "stop_per_invoke": self.stop_per_invoke}
                 self.opened = True
                 model.rpc(rpc_open, self.key, self.on_error, payload, extras)
+                # a task may have failed or stopped before the first step: then no step is needed
+                self.after_step(engine, (), model.poll([self.key]).get(self.key), False)
         except BaseException as exc:  # noqa: BLE001 - this run fails alone
             self.fail(exc)
             self.close()
@@ -350,7 +356,7 @@ class VLLMRun(Trace):
         ended = ()
         if status is not None:
             halted, steps, stopped, events = status
-            if outs and self._stepped is False and steps == 0:
+            if outs and not self._stepped and not halted and steps == 0:
                 raise HooksUnavailableError(
                     f"the engine ran a step but asyncinterp's hooks on {type(self.model.module).__name__} did not "
                     f"fire. {_COMPILE_HINT}.")
@@ -432,6 +438,31 @@ class VLLMRun(Trace):
                     listener.on_finish(self)
                 except Exception:  # noqa: BLE001 - a listener must not break the loop
                     log.exception("vLLM run listener failed")
+
+
+class StreamListener:
+    """Turns a live run's outputs into stream events in a :class:`~asyncinterp.aio.Mailbox` (``None`` ends it)."""
+
+    def __init__(self, box, tokenizer):
+        self.box = box
+        self.tokenizer = tokenizer
+        self.sent = {}
+
+    def on_output(self, invoke) -> None:
+        ids = invoke.token_ids
+        i = self.sent.get(invoke.index, 0)
+        while i < len(ids):
+            before = self.tokenizer.decode(ids[:i], skip_special_tokens=True)
+            now = self.tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
+            self.box.put({"event": "token", "step": i, "token": ids[i], "text": now[len(before):]})
+            i += 1
+        self.sent[invoke.index] = i
+
+    def on_event(self, index, item) -> None:
+        self.box.put(item)
+
+    def on_finish(self, run) -> None:
+        self.box.put(None)
 
 
 def _abort(engine, ids):
@@ -689,6 +720,35 @@ class VLLM(GeneratingModel, VLLMRoot):
     # ------------------------------------------------------------------ API
     def _generation(self, max_new_tokens, on_error, sampling) -> VLLMRun:
         return VLLMRun(self, max_new_tokens=max_new_tokens, sampling=sampling, on_error=on_error)
+
+    async def astream(self, input, *fns, max_new_tokens: int = 20, on_error: str = "stop", **sampling):
+        """Generate for one prompt, yielding events as the engine produces them (``async for ev in ...``).
+
+        Events: ``{"event": "token", "step", "token", "text"}`` for each new token,
+        ``{"event": "emit", "step", "value"}`` for each ``ai.serve.emit(value)`` of an
+        intervention, and last ``{"event": "done", "result": invoke}`` (``.result``, ``.tokens``,
+        ``.text``). The request joins the running engine at its next step, beside any others.
+        Leaving the loop early (or cancelling) aborts the request in the engine alone. Failures of
+        the interventions are raised from the iterator (``on_error="stop"``).
+        """
+        from ...aio import Mailbox
+        from ..generating import _checked_max_new_tokens
+        run = self._generation(_checked_max_new_tokens(max_new_tokens), on_error, {})
+        inv = run.invoke(input, *fns, **sampling)
+        box = Mailbox()
+        run.listener = StreamListener(box, self.tokenizer)
+        self.submit(run)
+        try:
+            while True:
+                item = await box.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            if not run.done:
+                run.cancel()
+        run.raise_outcome()
+        yield {"event": "done", "result": inv}
 
     def close(self) -> None:
         """Shut the engine down (its workers too); the model cannot run afterwards."""
