@@ -7,10 +7,12 @@ Under TP=2 they run in every worker; sharded values are gathered for the
 tasks and re-sharded after, so nothing in the intervention code changes.
 """
 
+import anyio
 import pytest
 import torch
 
 import asyncinterp as ai
+from asyncinterp.serve import Batcher, emit
 from vllm_helpers import ENGINE, make_tiny_dir, require_vllm
 
 pytestmark = pytest.mark.vllm
@@ -80,6 +82,41 @@ def scenario(model):
             "texts": [i.text for i in (a, b, c, d)]}
 
 
+async def tell(m):
+    async for step in m.steps():
+        h = await m.model.layers[0].hidden
+        h[:, -1] += 3.0
+        emit(float((await m.logits).max()))
+
+
+def stream_scenario(model):
+    """Streaming with emits (astream and the serving Batcher), and a short request joining a long one."""
+    async def main():
+        events = [(ev["event"], ev.get("token", ev.get("value")))
+                  async for ev in model.astream(PROMPTS[0], tell, max_new_tokens=6, ignore_eos=True)
+                  if ev["event"] != "done"]
+        async with Batcher(model) as b:
+            served = [ev async for ev in b.stream_generate(PROMPTS[1], tell, max_new_tokens=4, ignore_eos=True)]
+            order = []
+
+            async def run(name, prompt, n):
+                await b.generate(prompt, tell, max_new_tokens=n, ignore_eos=True)
+                order.append(name)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "long", PROMPTS[0], 120)
+                await anyio.sleep(0.5)
+                tg.start_soon(run, "short", PROMPTS[1], 2)
+        return events, served, order
+
+    events, served, order = anyio.run(main)
+    assert [e for e, _ in events].count("emit") == 6 and [e for e, _ in events].count("token") == 6
+    assert [ev["event"] for ev in served].count("emit") == 4 and served[-1]["event"] == "done"
+    assert order == ["short", "long"]
+    return {"events": events, "served": [(ev["event"], ev.get("token", ev.get("value"))) for ev in served[:-1]],
+            "served_tokens": served[-1]["result"].tokens}
+
+
 @pytest.fixture(scope="module")
 def tp_dir(tmp_path_factory):
     # 2 query heads, 1 key/value head: under TP=2 the kv head is replicated on both ranks
@@ -96,9 +133,14 @@ def test_tp2_equals_tp1(tp_dir):
             assert model.tp == tp
             assert "qkv_proj" in repr(model.model.layers[0].self_attn)   # the driver mirrors the tree
             results[tp] = scenario(model)
+            results[tp]["stream"] = stream_scenario(model)
         finally:
             model.close()
     one, two = results[1], results[2]
+    for key in ("events", "served"):                     # same tokens and emitted values, in the same order
+        for (k1, v1), (k2, v2) in zip(one["stream"][key], two["stream"][key]):
+            assert k1 == k2 and (v1 == v2 or abs(v1 - v2) < 1e-3), (key, k1, v1, v2)
+    assert one["stream"]["served_tokens"] == two["stream"]["served_tokens"]
     assert one["tokens"] == two["tokens"]
     assert one["texts"] == two["texts"]
     assert one["tokens"][2] == [777, 777]

@@ -153,6 +153,7 @@ class VLLMInvoke(GeneratedInvoke):
         self.text_pieces = []        # vLLM's detokenized text, one piece per engine step
         self.finish_reason = None
         self.logprobs = []           # with logprobs=k: per generated token, {token id: log-probability}
+        self.cached_tokens = None    # prompt tokens vLLM took from its prefix cache (0 for intervened requests)
 
     def cancel(self) -> None:
         """Thread-safe: abort this invoke's request and close its interventions; the others go on."""
@@ -371,6 +372,8 @@ class VLLMRun(Trace):
         listener = self.listener
         for out in outs:
             inv = self._by_id[out.request_id]
+            if inv.cached_tokens is None:
+                inv.cached_tokens = getattr(out, "num_cached_tokens", None)
             if not halted and inv.index not in ended:
                 for c in out.outputs[:1]:
                     inv.add_output(c, out.finished)
