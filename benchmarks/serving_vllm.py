@@ -5,7 +5,7 @@
 
 Both servers run in a subprocess, one after the other (never at once: the
 machine's cores are shared), over the same model directory and the same
-engine arguments (float32, eager, ``--max-model-len``, seed 0). The client is
+engine arguments (float32, eager, ``--max-model-len``, ``--kv-cache-memory-bytes``, seed 0). The client is
 the same: ``--clients`` concurrent streaming clients (closed loop) send
 ``--requests`` OpenAI ``/v1/completions`` requests (``stream: true``,
 greedy, ``max_tokens`` new tokens each). Cases:
@@ -110,8 +110,8 @@ class Server:
 def vllm_server(model_dir, args, port, log_path):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", "model", "--dtype", "float32", "--enforce-eager", "--seed", "0",
-           "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1", "--port", str(port),
-           "--disable-log-requests" if False else "--disable-uvicorn-access-log"]
+           "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_bytes),
+           "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     return Server("vllm", cmd, port, "/health", env=env, log_path=log_path)
 
@@ -119,7 +119,8 @@ def vllm_server(model_dir, args, port, log_path):
 def ai_server(model_dir, args, port, log_path):
     cmd = [sys.executable, "-m", "asyncinterp.cli", "serve", model_dir, "--engine", "vllm",
            "--served-model-name", "model", "--dtype", "float32", "--seed", "0",
-           "--max-model-len", str(args.max_model_len), "--port", str(port), "--timeout", "600",
+           "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_bytes),
+           "--port", str(port), "--timeout", "600",
            "--max-queue", "1024", "--log-level", "warning"]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     return Server("asyncinterp", cmd, port, "/v1/health", env=env, log_path=log_path)
@@ -230,6 +231,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--long-tokens", type=int, default=192)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="KV cache size, both servers (default 1 GiB)")
     ap.add_argument("--layer", default="model.layers.15", help="module the per-step read intervention reads")
     ap.add_argument("--out", default=None, help="write benchmarks/results/serving_vllm-OUT.{json,md}")
     args = ap.parse_args()
