@@ -5,7 +5,7 @@
   logits exactly as the equivalent hand-written torch hook does; per invoke with padding;
   free when unused.
 * vLLM (marked ``vllm``): the same reads and edits on the same weights (tiny Llama) give the
-  same values (1e-4), and the points vLLM does not provide raise a clear error at the await.
+  same values (1e-4): every semantic point, attn.pattern in the prompt step and at decode steps.
 """
 
 import pytest
@@ -288,7 +288,8 @@ def test_unused_semantic_points_cost_nothing():
 
 # ------------------------------------------------------------------ vLLM: same weights, same values
 
-VLLM_POINTS = ["resid_pre", "resid_mid", "mlp.pre", "mlp.post", "resid_post"]
+VLLM_POINTS = ["resid_pre", "q", "k", "v", "pattern", "resid_mid", "mlp.pre", "mlp.post", "resid_post"]  # firing order
+VLLM_EDITS = [p for p in VLLM_POINTS if p != "pattern"]
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +311,8 @@ def engines(tiny_dir):
 def _at(m, layer, name):
     if name.startswith("mlp."):
         return getattr(m.layers[layer].mlp, name[4:])
+    if name in ("q", "k", "v", "pattern"):
+        return getattr(m.layers[layer].attn, name)
     return getattr(m.layers[layer], name)
 
 
@@ -324,10 +327,15 @@ def _read_all(n_layers):
     return fn
 
 
-def _edit(layer, name, seed):
+def _edit(layer, name, seed, by="inplace"):
     async def fn(m):
-        x = await _at(m, layer, name)
-        x += 0.5 * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+        point = _at(m, layer, name)
+        x = await point
+        delta = 0.5 * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+        if by == "inplace":
+            x += delta
+        else:
+            point.replace(x + delta)
         return (await m.logits).clone()
     return fn
 
@@ -343,32 +351,98 @@ def test_vllm_reads_equal_transformers(engines):
         hf = lm.trace(PROMPT, fn)
     vl = vm.trace(PROMPT, fn)
     assert hf.keys() == vl.keys()
+    n = len(vm.tokenizer(PROMPT).input_ids)
+    assert vl["1.q"].shape == (1, n, 2, 32) and vl["1.k"].shape == (1, n, 1, 32)
+    assert vl["1.pattern"].shape == (1, 2, n, n)
     for k in hf:
         assert hf[k].shape == vl[k].shape, k
         torch.testing.assert_close(vl[k], hf[k], rtol=1e-4, atol=1e-4, msg=lambda s, k=k: f"{k}: {s}")
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", VLLM_POINTS)
-def test_vllm_edits_move_logits_like_transformers(engines, name):
+@pytest.mark.parametrize("by", ["inplace", "replace"])
+@pytest.mark.parametrize("name", VLLM_EDITS)
+def test_vllm_edits_move_logits_like_transformers(engines, name, by):
     lm, vm = engines
+    if by == "replace" and name in ("resid_pre", "resid_mid", "mlp.pre", "mlp.post", "resid_post"):
+        pytest.skip("replacements of these points are covered by test_vllm_skip.py and the in-place edits")
     with torch.no_grad():
         clean = lm.trace(PROMPT, _read_all(0))["logits"]
-        hf = lm.trace(PROMPT, _edit(1, name, 5))
-    vl = vm.trace(PROMPT, _edit(1, name, 5))
+        hf = lm.trace(PROMPT, _edit(1, name, 5, by))
+    vl = vm.trace(PROMPT, _edit(1, name, 5, by))
     assert (hf - clean).abs().max() > 1e-3
     torch.testing.assert_close(vl, hf, rtol=1e-4, atol=1e-4)
 
 
+def _pattern_each_step(layer):
+    async def fn(m):
+        out = []
+        async for _ in m.steps():
+            q = (await m.layers[layer].attn.q).clone()
+            out.append(((await m.layers[layer].attn.pattern).clone(), q))
+        return out
+    return fn
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["q", "k", "v", "pattern"])
-def test_vllm_unavailable_points_raise_clearly(engines, name):
+def test_vllm_pattern_in_generation_equals_transformers(engines):
+    """Decode steps: the pattern covers the keys of earlier steps (kept by the point from step 0)."""
+    lm, vm = engines
+    with torch.no_grad():
+        hf = lm.generate(PROMPT, _pattern_each_step(1), max_new_tokens=4)
+    vl = vm.generate(PROMPT, _pattern_each_step(1), max_new_tokens=4)
+    assert vl.tokens.tolist() == hf.tokens.tolist()[-4:]
+    n = len(vm.tokenizer(PROMPT).input_ids)
+    assert [p.shape for p, _ in vl.result] == [(1, 2, n, n)] + [(1, 2, 1, n + i) for i in range(1, 4)]
+    for (p, q), (hp, hq) in zip(vl.result, hf.result):
+        torch.testing.assert_close(q, hq, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(p, hp, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.vllm
+def test_vllm_qkv_edit_of_one_request_leaves_the_others(engines):
+    _, vm = engines
+    prompts = [PROMPT, "Hello world, this is"]
+
+    async def ablate(m):
+        v = await m.layers[1].attn.v
+        v[:] = 0
+        return (await m.logits).clone()
+
+    async def plain(m):
+        return (await m.logits).clone()
+
+    with vm.trace() as run:
+        a = run.invoke(prompts[0], ablate)
+        b = run.invoke(prompts[1], plain)
+    torch.testing.assert_close(b.result, vm.trace(prompts[1], plain))
+    torch.testing.assert_close(a.result, vm.trace(prompts[0], ablate))
+    assert (a.result - vm.trace(prompts[0], plain)).abs().max() > 1e-3
+
+
+@pytest.mark.vllm
+def test_vllm_pattern_is_read_only_and_needs_its_first_step(engines):
     _, vm = engines
 
-    async def fn(m):
-        return await getattr(m.layers[0].attn, name)
-    with pytest.raises(PointUnavailableError, match="qkv_proj|LanguageModel"):
-        vm.trace(PROMPT, fn)
+    async def assign(m):
+        p = await m.layers[0].attn.pattern
+        m.layers[0].attn.pattern = p * 0
+    with pytest.raises(ReplacementError, match=r"model\.layers\.0\.self_attn\.pattern is read-only"):
+        vm.trace(PROMPT, assign)
+
+    async def late(m):
+        async for step in m.steps():
+            if step == 2:
+                return await m.layers[0].attn.pattern
+    with pytest.raises(PointUnavailableError, match="(?s)positions 0..*first step"):
+        vm.generate(PROMPT, late, max_new_tokens=4)
+
+    async def whole(m):
+        return await m.layers[0].attn.pattern
+    with pytest.raises(PointUnavailableError, match="per request"):
+        with vm.trace() as run:
+            run.invoke(whole)
+            run.invoke(PROMPT)
 
 
 def test_semantic_points_page_runs(capsys):

@@ -191,6 +191,32 @@ def test_chunked_prefill_mixed_with_decode(vm, hf, clean_engine):
     assert len(b) == sum(1 for r, _ in b if r.prefill) + 2
 
 
+def test_pattern_over_chunked_prefill_and_decode(vm, hf, clean_engine):
+    """attn.pattern at every chunk of a long prompt and at decode steps equals transformers' attentions."""
+    long = " ".join([PROMPTS[2]] * 4)        # > 32 tokens: prefilled over several steps
+    ids = vm.tokenizer(long).input_ids
+
+    async def patterns(m):
+        out = []
+        async for _ in m.steps():
+            p = await m.layers[1].attn.pattern
+            out.append((m.request.positions, p.clone()))
+        return out
+
+    with vm.generate(max_new_tokens=2) as run:
+        run.invoke(PROMPTS[1])
+        gen = run.invoke(long, patterns)
+    steps = gen.result
+    assert sum(1 for pos, _ in steps if pos.start < len(ids)) >= 2             # several prompt chunks
+    full = ids + gen.tokens.tolist()[:1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([full]), output_attentions=True).attentions[1]
+    assert [p for pos, _ in steps for p in pos] == list(range(len(full)))
+    for pos, p in steps:
+        assert p.shape == (1, 2, len(pos), pos.stop)
+        torch.testing.assert_close(p, ref[:, :, pos.start:pos.stop, :pos.stop], atol=1e-4, rtol=1e-4)
+
+
 def test_requests_finishing_early_leave_cleanly(vm, clean_engine):
     def looper(store):
         async def fn(m):

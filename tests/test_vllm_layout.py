@@ -74,7 +74,9 @@ def test_dataclasses_are_sliced_and_rebuilt():
 def test_covers_all():
     lay = FlatLayout()
     lay.set_step({0: (0, 4, 0)}, tokens=4, rows=1)
-    assert lay.covers_all(0) and lay.covers_all(5)
+    assert lay.covers_all(5)            # an invoke without a request sees the flat value as it is
+    assert not lay.covers_all(0)        # a lone request's view is [1, n, ...] of the flat [n, ...]: never whole
+    assert lay.request_mode().covers_all(0)   # one row per request: the view is the value
     assert not _layout().covers_all(1)
 
 

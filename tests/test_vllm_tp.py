@@ -2,7 +2,9 @@
 
 The same interventions run in both: reads of replicated points (layer
 outputs, logits), of sharded ones (column-parallel outputs, row-parallel
-inputs, the attention op's output, the activation), and writes to both kinds.
+inputs, the attention op's output, the activation, attn.q/k/v and attn.pattern),
+writes to both kinds (a replicated key/value head through attn.k), and a
+decoder-layer skip with the residual stream.
 Under TP=2 they run in every worker; sharded values are gathered for the
 tasks and re-sharded after, so nothing in the intervention code changes.
 """
@@ -30,6 +32,8 @@ async def probe(m, edit=True):
     layer0, layer1 = m.model.layers[0], m.model.layers[1]
     async for step in m.steps():
         keep("qkv", (await layer0.self_attn.qkv_proj.output)[0])
+        for name in ("q", "k", "v", "pattern"):            # semantic points: sharded heads, gathered
+            keep(name, await getattr(layer0.attn, name))
         keep("attn", await layer0.self_attn.attn.output)
         keep("o_in", await layer0.self_attn.o_proj.input)
         keep("gate_up", (await layer0.mlp.gate_up_proj.output)[0])
@@ -39,6 +43,9 @@ async def probe(m, edit=True):
         qkv = (await layer1.self_attn.qkv_proj.output)[0]
         if step == 1 and edit:
             qkv[..., -16:] = 0.0                 # part of v: a write into a sharded tensor
+        k = await layer1.attn.k
+        if step == 3 and edit:
+            k[..., :8] = 0.0                     # the replicated kv head: written on both ranks
         o_in = await layer1.self_attn.o_proj.input
         if step == 2 and edit:
             m.model.layers[1].self_attn.o_proj.input = o_in * 1.5   # replacement of a sharded input
@@ -58,6 +65,17 @@ async def steer(m):
         h[:, -1] += 3.0
 
 
+async def skipper(m):
+    out = []
+    async for _ in m.steps():
+        h = await m.model.layers[0].hidden
+        value = h * 0.5 + 1.0
+        m.model.layers[1].skip(value)              # a replicated layer output, per request
+        args, _ = await m.model.norm.inputs        # the final norm gets (hidden, residual): the stream
+        out.append((value.clone(), (args[0] + args[1]).clone(), (await m.logits).clone()))
+    return out
+
+
 async def force(m):
     async for _ in m.steps():
         (await m.logits)[:, 777] = 1e4
@@ -74,12 +92,13 @@ def scenario(model):
         b = run.invoke(PROMPTS[1], steer)
         c = run.invoke(PROMPTS[1], force, max_new_tokens=2)
         d = run.invoke(PROMPTS[0], probe_read)
+        e = run.invoke(PROMPTS[1], skipper)
     with pytest.raises(KeyError, match="in the worker") as info:
         model.generate(PROMPTS[0], boom, max_new_tokens=2)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "gate_up_proj" in notes
-    return {"probe": a.result, "read": d.result, "tokens": [i.tokens.tolist() for i in (a, b, c, d)],
-            "texts": [i.text for i in (a, b, c, d)]}
+    return {"probe": a.result, "read": d.result, "skip": e.result, "tokens": [i.tokens.tolist() for i in (a, b, c, d, e)],
+            "texts": [i.text for i in (a, b, c, d, e)]}
 
 
 async def tell(m):
@@ -153,7 +172,17 @@ def test_tp2_equals_tp1(tp_dir):
         for x, y in zip(values, two["probe"][name]):
             assert x.shape == y.shape, name
             torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    for x, y in zip(one["skip"], two["skip"]):
+        for a, b in zip(x, y):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for res in (one, two):                               # the stream after the skipped layer is the value
+        for value, stream, _ in res["skip"]:
+            torch.testing.assert_close(stream, value)
     # full (gathered) shapes, as the unsharded model has them
     probe1 = one["probe"]
     assert probe1["qkv"][0].shape[-1] == 64 + 32 + 32           # q (2 heads) | k (1) | v (1), head_dim 32
     assert probe1["gate_up"][0].shape[-1] == 2 * 128
+    n = probe1["q"][0].shape[1]
+    assert probe1["q"][0].shape == (1, n, 2, 32) and probe1["k"][0].shape == (1, n, 1, 32)
+    assert probe1["pattern"][0].shape == (1, 2, n, n) and probe1["pattern"][3].shape == (1, 2, 1, n + 3)
+    torch.testing.assert_close(probe1["q"][0].reshape(1, n, 64), probe1["qkv"][0][..., :64])

@@ -68,10 +68,17 @@ class FlatLayout(BatchLayout):
 
     # ------------------------------------------------------------------ Layout
     def covers_all(self, group) -> bool:
+        """Only an invoke without a request sees the value as the engine holds it.
+
+        A request's view has a leading dimension of one that the flat value has
+        not (``[1, n, H]`` of ``[T, H]``), even when it is the only request:
+        a value shaped like the view cannot stand for the whole flat value, so
+        a skip or a shape-changing replacement must go through :meth:`merge`.
+        """
         span = self.spans.get(group)
         if span is None:
             return True
-        return self.rows == 1 and span[0] == 0 and span[1] == self.tokens
+        return self.per_request and self.rows == 1
 
     def index(self, tensor: torch.Tensor, group):
         """The rows of ``group`` in full tensor ``tensor`` this step, or ``None`` if ``tensor`` is not batched."""

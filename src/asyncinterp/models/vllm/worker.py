@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...hooks.envoy import Envoy, HookPoint, point
+from ...hooks.envoy import Envoy, HookPoint
 from ...hooks.modules import submodules
 from ...kernel.errors import NotInRunError, ReplacementError
 from ...kernel.scheduler import current_kernel, current_task
@@ -47,111 +47,10 @@ from ...model import Model
 from ...run import EVENTS, Run, StopForward
 from ..generating import Generated, generation_point
 from .layout import FlatLayout, replace_fields
+from .points import LayerEnvoy, vllm_semantic_point
 from .tp import sharding_for
 
 # ----------------------------------------------------------------------------- hook points
-
-
-def _fold_residual(out):
-    """``(mlp_out, residual)`` -> the residual stream, as a live view (folds residual into mlp_out in place)."""
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor):
-        h, r = out
-        if isinstance(r, torch.Tensor):
-            h.add_(r)
-            r.zero_()
-        return h
-    return out
-
-
-def _unfold_residual(new, out):
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
-        if not isinstance(new, torch.Tensor):
-            raise ReplacementError(f"replacement for a layer's hidden state must be a tensor, got {type(new).__name__}")
-        return (new, torch.zeros_like(out[1]))
-    if isinstance(out, tuple):
-        return (new,) + tuple(out[1:])
-    return new
-
-
-def _fold_args(inputs, at=0):
-    """``(args, kwargs)`` of a call taking ``(x, residual)`` at ``args[at:at + 2]`` -> the stream ``x + residual``.
-
-    Live, as for ``.hidden``: the residual is folded into ``x`` in place (``x += residual; residual = 0``,
-    the callee computes exactly the same) and ``x`` is returned.
-    """
-    args, kwargs = inputs
-    h = args[at] if len(args) > at else kwargs.get("hidden_states", kwargs.get("x"))
-    r = args[at + 1] if len(args) > at + 1 else kwargs.get("residual")
-    if isinstance(r, torch.Tensor):
-        h.add_(r)
-        r.zero_()
-    return h
-
-
-def _unfold_args(at=0):
-    def write(new, inputs):
-        args, kwargs = inputs
-        if not isinstance(new, torch.Tensor):
-            raise ReplacementError(f"replacement for the residual stream must be a tensor, got {type(new).__name__}")
-        args = list(args)
-        if len(args) > at + 1 and isinstance(args[at + 1], torch.Tensor):
-            args[at + 1] = torch.zeros_like(args[at + 1])
-        elif isinstance(kwargs.get("residual"), torch.Tensor):
-            kwargs = {**kwargs, "residual": torch.zeros_like(kwargs["residual"])}
-        if len(args) > at:
-            args[at] = new
-        else:
-            kwargs = {**kwargs, "hidden_states" if "hidden_states" in kwargs else "x": new}
-        return tuple(args), kwargs
-    return write
-
-
-def _gate_half(out):
-    t = out[0] if isinstance(out, tuple) else out
-    return t[..., :t.shape[-1] // 2]
-
-
-def _with_gate_half(new, out):
-    t = out[0] if isinstance(out, tuple) else out
-    if not isinstance(new, torch.Tensor):
-        raise ReplacementError(f"replacement for mlp.pre must be a tensor, got {type(new).__name__}")
-    full = t.clone()
-    full[..., :t.shape[-1] // 2] = new
-    return (full,) + tuple(out[1:]) if isinstance(out, tuple) else full
-
-
-_NOT_ON_VLLM = {
-    "q": "read `attn.qkv_proj.output[0]` (columns [q | k | v], before rotary; vLLM rotates q and k in place "
-         "afterwards, so clone at the await) and split it",
-    "k": "read `attn.qkv_proj.output[0]` (columns [q | k | v], before rotary) and split it",
-    "v": "read `attn.qkv_proj.output[0]` (columns [q | k | v]) and split it",
-    "pattern": "vLLM's paged attention never forms the pattern; run the same weights with ai.LanguageModel "
-               "to read attn.pattern, or read the rotated q/k at `attn.attn.inputs`",
-}
-
-
-def vllm_semantic_point(root, envoy, name):
-    """The semantic point ``name`` of ``envoy`` on a vLLM model (see asyncinterp.hooks.semantic), or ``None``."""
-    from ...hooks import semantic as sem
-    subs = submodules(envoy.module)
-    if name in sem.LAYER_NAMES:
-        if id(envoy.module) not in root.layer_ids:
-            return None
-        if name == "resid_pre":
-            return sem.SemanticPoint(envoy, name, envoy.inputs, lambda v: _fold_args(v, 1), _unfold_args(1))
-        if name == "resid_post":
-            return sem.SemanticPoint(envoy, name, envoy.output, _fold_residual, _unfold_residual)
-        norm = envoy.child("post_attention_layernorm") if "post_attention_layernorm" in subs else None
-        if norm is None:
-            return sem.UnavailablePoint(f"{envoy.path}.resid_mid", "this layer has no post_attention_layernorm")
-        return sem.SemanticPoint(envoy, name, norm.inputs, _fold_args, _unfold_args(0))
-    if name in _NOT_ON_VLLM and "qkv_proj" in subs:
-        return sem.UnavailablePoint(f"{envoy.path}.{name}", f"not on vLLM yet; {_NOT_ON_VLLM[name]}")
-    if name in sem.MLP_NAMES and "gate_up_proj" in subs:
-        if name == "pre":
-            return sem.SemanticPoint(envoy, name, envoy.child("gate_up_proj").output, _gate_half, _with_gate_half)
-        return sem.SemanticPoint(envoy, name, envoy.child("down_proj").inputs, sem.first_arg, sem.with_first_arg)
-    return None
 
 
 def _no_gradients(what):
@@ -160,16 +59,6 @@ def _no_gradients(what):
         f"{what} is not available on vLLM: the engine runs under torch.inference_mode, so no autograd graph is "
         "recorded. Load the same weights with ai.LanguageModel.from_pretrained(path) for gradients; the semantic "
         "points (resid_pre/mid/post, mlp.pre/post, logits) read the same values there")
-
-
-class LayerEnvoy(Envoy):
-    """A decoder layer of a vLLM model: adds ``.hidden``, the residual stream after the layer."""
-
-    hidden = point(base="output", read=_fold_residual, write=_unfold_residual, doc=(
-        "the residual stream after this layer ([1, n, hidden] per request), equal to transformers' "
-        "layer output / hidden_states[i + 1]. vLLM's layers return (mlp_out, residual) whose *sum* is the "
-        "stream; reading .hidden folds the residual into mlp_out in place (mlp_out += residual; "
-        "residual = 0) and returns mlp_out, so editing it in place or assigning it changes the stream"))
 
 
 class NamedPoint(HookPoint):
@@ -252,7 +141,7 @@ class VLLMRoot(Model):
         raise _no_gradients("m.backward(...)")
 
     def build_semantic_point(self, envoy, name):
-        """vLLM's module tree: resid_pre/mid/post fold the (x, residual) pairs, mlp.pre/post; q/k/v/pattern raise."""
+        """vLLM's module tree: resid_pre/mid/post fold the (x, residual) pairs, attn.q/k/v/pattern, mlp.pre/post."""
         return vllm_semantic_point(self, envoy, name)
 
     def envoy_class_for(self, module):
