@@ -167,15 +167,14 @@ def test_an_intervened_request_sees_every_prompt_position(vm):
 
 def test_plain_requests_keep_sharing_the_prefix_cache(vm):
     prompt = SHARED + " three"
-    first = vm.generate(prompt, max_new_tokens=1)
+    vm.generate(prompt, max_new_tokens=1)
     second = vm.generate(prompt, max_new_tokens=1)
 
     async def read(m):
         await m.logits
 
     intervened = vm.generate(prompt, read, max_new_tokens=1)
-    assert first.cached_tokens == 0
-    assert second.cached_tokens >= 32          # whole blocks shared between plain requests
+    assert second.cached_tokens >= 64          # whole blocks shared between plain requests
     assert intervened.cached_tokens == 0       # its own blocks, always
 
 

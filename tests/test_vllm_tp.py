@@ -117,15 +117,24 @@ def stream_scenario(model):
         async with Batcher(model) as b:
             served = [ev async for ev in b.stream_generate(PROMPTS[1], tell, max_new_tokens=4, ignore_eos=True)]
             order = []
+            begun = anyio.Event()
 
-            async def run(name, prompt, n):
-                await b.generate(prompt, tell, max_new_tokens=n, ignore_eos=True)
-                order.append(name)
+            async def long():
+                n = 0
+                async for ev in b.stream_generate(PROMPTS[0], tell, max_new_tokens=200, ignore_eos=True):
+                    n += ev["event"] == "token"
+                    if n == 5:
+                        begun.set()
+                order.append("long")
+
+            async def short():
+                await begun.wait()
+                await b.generate(PROMPTS[1], tell, max_new_tokens=2, ignore_eos=True)
+                order.append("short")
 
             async with anyio.create_task_group() as tg:
-                tg.start_soon(run, "long", PROMPTS[0], 120)
-                await anyio.sleep(0.5)
-                tg.start_soon(run, "short", PROMPTS[1], 2)
+                tg.start_soon(long)
+                tg.start_soon(short)
         return events, served, order
 
     events, served, order = anyio.run(main)
