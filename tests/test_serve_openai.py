@@ -24,12 +24,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+THREADS = torch.get_num_threads()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    n = torch.get_num_threads()
     torch.set_num_threads(1)   # deterministic BLAS: served answers equal local runs
     yield
-    torch.set_num_threads(n)
+    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="module")
@@ -389,6 +391,7 @@ def test_smollm2_chat_template():
 def vllm_live(tmp_path_factory):
     from vllm_helpers import ENGINE, make_tiny_dir, require_vllm
     require_vllm()
+    torch.set_num_threads(THREADS)   # vLLM's CPU attention needs the thread count its engine was bound with
     path = make_tiny_dir(tmp_path_factory.mktemp("vllm-openai") / "model", seed=0)
     vm = ai.VLLM(path, **ENGINE)
     srv = Live(Server(vm, api_keys=[KEY], name="tiny-vllm", allow_code=True, max_wait_ms=2))
@@ -403,11 +406,21 @@ async def vllm_steer(m, factor: float = 1.0):
     tops = []
     async for step in m.steps():
         h = await m.model.layers[0].hidden
-        h.mul_(factor)
+        h[..., : h.shape[-1] // 2].mul_(factor)
         top = int((await m.logits)[0].argmax())
         ai.serve.emit(top)
         tops.append(top)
     return tops
+
+
+VLLM_CODE = """
+async def flip(m, factor):
+    async for step in m.steps():
+        h = await m.model.layers[0].hidden
+        h[..., : h.shape[-1] // 2].mul_(factor)
+        await m.logits
+    return factor
+"""
 
 
 @pytest.mark.vllm
@@ -417,20 +430,24 @@ def test_vllm_engine_behind_the_openai_endpoints(vllm_live):
     prompt = "The quick brown fox jumps"
     with openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
         plain = c.completions.create(model="tiny-vllm", prompt=prompt, max_tokens=6, temperature=0)
-        body = {"asyncinterp": {"intervention": "vllm_steer", "params": {"factor": 3.0}}}
+        body = {"asyncinterp": {"intervention": "vllm_steer", "params": {"factor": -3.0}}}
         steered = c.completions.create(model="tiny-vllm", prompt=prompt, max_tokens=6, temperature=0,
                                        extra_body=body)
         streamed = collect(c.completions.create(model="tiny-vllm", prompt=prompt, max_tokens=6, temperature=0,
                                                 stream=True, extra_body=body))
-        code = CODE.replace("m.transformer.h[layer].output", "m.model.layers[layer].hidden")
-        coded = c.completions.create(model="tiny-vllm", prompt=prompt, max_tokens=3, temperature=0,
-                                     extra_body={"asyncinterp": {"code": code, "params": {"layer": 1}}})
+        coded = c.completions.create(model="tiny-vllm", prompt=prompt, max_tokens=6, temperature=0,
+                                     extra_body={"asyncinterp": {"code": VLLM_CODE, "params": {"factor": -3.0}}})
+        chat = collect(c.chat.completions.create(model="tiny-vllm", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, temperature=0, stream=True))
     local_plain = vm.generate(prompt, max_new_tokens=6)
-    local = vm.generate(prompt, functools.partial(vllm_steer, factor=3.0), max_new_tokens=6)
+    local = vm.generate(prompt, functools.partial(vllm_steer, factor=-3.0), max_new_tokens=6)
     assert plain.choices[0].text == local_plain.text and plain.usage.completion_tokens == 6
     assert steered.choices[0].text == local.text != local_plain.text
     assert ext(steered)["result"] == local.result
     assert [e["value"] for e in ext(steered)["emitted"]] == local.result
     assert streamed["text"] == local.text and streamed["final"] == ext(steered)
     assert [e["value"] for e in streamed["emits"]] == local.result
-    assert torch.tensor(ext(coded)["result"]).shape == (3, 1)
+    assert coded.choices[0].text == local.text and ext(coded)["result"] == -3.0   # submitted code edits too
+    if vm.tokenizer.chat_template:
+        ids = chat_ids(vm, [{"role": "user", "content": "Hi"}])
+        assert chat["text"] == vm.generate(ids, max_new_tokens=4).text
