@@ -365,6 +365,35 @@ def test_native_endpoints_still_answer_msgpack(live):
     assert len(g.tokens) == 2 and len(g.result) == 2
 
 
+# ----------------------------------------------------------------------------- the command line
+def _args(*argv):
+    import argparse
+    from asyncinterp.serve.cli import configure
+    p = argparse.ArgumentParser()
+    configure(p)
+    return p.parse_args(list(argv))
+
+
+def test_cli_builds_the_engine_in_one_place(monkeypatch, tmp_path):
+    from asyncinterp.models import vllm as vllm_models
+    from asyncinterp.serve.cli import build_model, engine_options
+    made = []
+    monkeypatch.setattr(vllm_models, "VLLM", lambda path, **kw: made.append((path, kw)) or "engine")
+    args = _args(str(tmp_path), "--engine", "vllm", "--tensor-parallel-size", "2", "--max-model-len", "512",
+                 "--engine-arg", "enable_prefix_caching=false", "--engine-arg", "tokenizer_mode=auto")
+    assert build_model(args) == "engine"
+    want = {"tensor_parallel_size": 2, "max_model_len": 512, "enable_prefix_caching": False,
+            "tokenizer_mode": "auto", "dtype": "auto" if torch.cuda.is_available() else "float32"}
+    assert made == [(str(tmp_path), want)]
+    assert engine_options(_args("tiny-gpt2")) == {}
+    with pytest.raises(ValueError, match="need --engine vllm"):
+        engine_options(_args("tiny-gpt2", "--max-model-len", "64"))
+    with pytest.raises(FileNotFoundError, match="model directory"):
+        build_model(_args("tiny-gpt2", "--engine", "vllm"))
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        engine_options(_args(str(tmp_path), "--engine", "vllm", "--engine-arg", "oops"))
+
+
 # ----------------------------------------------------------------------------- SmolLM2's chat template
 @pytest.mark.smollm2
 def test_smollm2_chat_template():
@@ -388,12 +417,17 @@ def test_smollm2_chat_template():
 
 # ----------------------------------------------------------------------------- vLLM engine
 @pytest.fixture(scope="module")
-def vllm_live(tmp_path_factory):
-    from vllm_helpers import ENGINE, make_tiny_dir, require_vllm
+def vllm_dir(tmp_path_factory):
+    from vllm_helpers import make_tiny_dir, require_vllm
     require_vllm()
+    return make_tiny_dir(tmp_path_factory.mktemp("vllm-openai") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_live(vllm_dir):
+    from vllm_helpers import ENGINE
     torch.set_num_threads(THREADS)   # vLLM's CPU attention needs the thread count its engine was bound with
-    path = make_tiny_dir(tmp_path_factory.mktemp("vllm-openai") / "model", seed=0)
-    vm = ai.VLLM(path, **ENGINE)
+    vm = ai.VLLM(vllm_dir, **ENGINE)
     srv = Live(Server(vm, api_keys=[KEY], name="tiny-vllm", allow_code=True, max_wait_ms=2))
     try:
         yield vm, srv
@@ -451,3 +485,51 @@ def test_vllm_engine_behind_the_openai_endpoints(vllm_live):
     if vm.tokenizer.chat_template:
         ids = chat_ids(vm, [{"role": "user", "content": "Hi"}])
         assert chat["text"] == vm.generate(ids, max_new_tokens=4).text
+
+
+@pytest.mark.vllm
+def test_cli_serves_a_vllm_engine(vllm_dir):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from test_serve_http import free_port
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.serve.cli", vllm_dir, "--engine", "vllm",
+                             "--port", str(port), "--api-key", KEY, "--served-model-name", "tiny",
+                             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the vLLM server did not start"
+            time.sleep(0.5)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            assert [m.id for m in c.models.list().data] == ["tiny"]
+            resp = c.completions.create(model="tiny", prompt="The quick brown fox jumps", max_tokens=4,
+                                        temperature=0, extra_body={"asyncinterp": {"intervention": "top_k",
+                                                                                   "params": {"k": 2}}})
+            assert resp.usage.completion_tokens == 4 and len(ext(resp)["result"]["ids"][0]) == 2
+            from transformers import AutoTokenizer
+            last = ext(resp)["result"]["ids"][0][0]       # top_k of the last step: its greedy token
+            assert resp.choices[0].text.endswith(AutoTokenizer.from_pretrained(vllm_dir).decode([last]))
+            got = collect(c.completions.create(model="tiny", prompt="The quick brown fox jumps", max_tokens=4,
+                                               temperature=0, stream=True))
+            assert got["text"] == resp.choices[0].text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -136,8 +136,7 @@ def parse_request(kind: str, obj: dict, registered: dict) -> OpenAIRequest:
     req.stream = bool(stream)
     options = obj.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict) or any(k not in ("include_usage", "continuous_usage_stats")
-                                                 for k in options):
+        if not isinstance(options, dict) or any(k != "include_usage" for k in options):
             raise _bad("stream_options takes {'include_usage': bool}", "stream_options")
         if not req.stream:
             raise _bad("stream_options is only allowed with stream=true", "stream_options")
