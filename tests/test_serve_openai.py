@@ -187,6 +187,19 @@ def test_stop_strings_end_the_generation(client, model):
     assert model.generate(prompt, max_new_tokens=8, stop=[stop]).tokens.tolist() == full.tokens[:n].tolist()
 
 
+def test_concurrent_requests_with_stop_strings_each_end_at_their_own(client, model):
+    from concurrent.futures import ThreadPoolExecutor
+    stop = " Priest"            # ends the third prompt early; the others run to max_tokens in the same batch
+    locals_ = [model.generate(p, max_new_tokens=8, stop=[stop]) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: client.completions.create(model=NAME, prompt=p, max_tokens=8,
+                                                                    temperature=0, stop=[stop]), PROMPTS))
+    for local, resp in zip(locals_, answers):
+        assert resp.usage.completion_tokens == len(local.tokens)
+        assert resp.choices[0].text == local.text.split(stop)[0]
+    assert [a.choices[0].finish_reason for a in answers] == ["length", "length", "stop"]
+
+
 def test_sampling_with_a_seed_is_reproducible_and_equals_local(client, model):
     kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0.9, top_p=0.95, seed=1234)
     a = client.completions.create(**kw).choices[0].text
@@ -363,6 +376,71 @@ def test_native_endpoints_still_answer_msgpack(live):
     with Client(live.url, api_key=KEY) as c:
         g = c.generate(PROMPTS[0], "scale", layer=0, max_new_tokens=2)
     assert len(g.tokens) == 2 and len(g.result) == 2
+
+
+# ----------------------------------------------------------------------------- shapes, without a server
+def _shaper(stop=(), max_tokens=8, extension=False):
+    from asyncinterp.serve.openai_compat import OpenAIRequest, Shaper
+    return Shaper(OpenAIRequest("completions", NAME, prompt="x", stop=tuple(stop)), max_tokens, 1, {0},
+                  extension)
+
+
+def _sse_texts(raw: bytes):
+    import json
+    out = []
+    for line in raw.decode().split("\n\n"):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_stream_never_sends_a_stop_string_split_over_tokens():
+    from asyncinterp.serve.batcher import GenerateResult
+    sh = _shaper(stop=["o w"])
+    pieces = ["Hel", "lo", " ", "wor", "ld"]
+    sent = b"".join(sh.event({"event": "token", "step": i, "token": 10 + i, "text": t}) for i, t in enumerate(pieces))
+    sent += sh.event({"event": "done", "result": GenerateResult(None, [10, 11, 12, 13], "Hello wor")})
+    chunks = _sse_texts(sent)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hell"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert sent.endswith(b"data: [DONE]\n\n")
+    # a tail that only looks like the start of a stop string is sent at the end
+    sh = _shaper(stop=["lo!"], max_tokens=2)
+    sent = sh.event({"event": "token", "step": 0, "token": 5, "text": "Hel"})
+    sent += sh.event({"event": "token", "step": 1, "token": 6, "text": "lo"})
+    assert "".join(c["choices"][0]["text"] for c in _sse_texts(sent)) == "Hel"
+    sent += sh.event({"event": "done", "result": GenerateResult(None, [5, 6], "Hello")})
+    chunks = _sse_texts(sent)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stream_after_a_restart_does_not_repeat_tokens():
+    from asyncinterp.serve.batcher import GenerateResult
+    sh = _shaper(max_tokens=3)
+    out = sh.event({"event": "token", "step": 0, "token": 7, "text": "a"})
+    out += sh.event({"event": "restart"})                         # the batch failed; rerun alone
+    out += sh.event({"event": "token", "step": 0, "token": 7, "text": "a"})
+    out += sh.event({"event": "token", "step": 1, "token": 8, "text": "b"})
+    out += sh.event({"event": "done", "result": GenerateResult(None, [7, 8], "ab")})
+    assert "".join(c["choices"][0]["text"] for c in _sse_texts(out)) == "ab"
+    sh = _shaper()
+    sh.event({"event": "token", "step": 0, "token": 7, "text": "a"})
+    sh.event({"event": "restart"})
+    with pytest.raises(RuntimeError, match="retry"):
+        sh.event({"event": "token", "step": 0, "token": 9, "text": "z"})
+
+
+def test_results_as_json():
+    from asyncinterp.serve.openai_compat import to_json
+    from asyncinterp.serve.wire import WireError
+    value = {"t": torch.tensor([[1.5, float("nan")], [float("inf"), -float("inf")]]), "h": torch.ones(2).half(),
+             "tuple": (1, "a", None, True), 3: [torch.tensor(2)]}
+    assert to_json(value) == {"t": [[1.5, "NaN"], ["Infinity", "-Infinity"]], "h": [1.0, 1.0],
+                              "tuple": [1, "a", None, True], "3": [2]}
+    for bad in (object(), torch.ones(2, dtype=torch.complex64), {(1, 2): 3}, b"bytes"):
+        with pytest.raises(WireError):
+            to_json(bad)
 
 
 # ----------------------------------------------------------------------------- the command line
