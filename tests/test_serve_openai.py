@@ -67,9 +67,23 @@ async def last_logits(m):
     return out
 
 
+RECORD = []
+
+
+async def slow_steps(m):
+    import time
+    try:
+        async for step in m.steps():
+            await m.transformer.h[0].output
+            RECORD.append(step)
+            time.sleep(0.05)
+    finally:
+        RECORD.append("closed")
+
+
 def make_server(model, **kw):
     server = Server(model, api_keys=[KEY], name=NAME, max_wait_ms=2, timeout=30, **kw)
-    for fn in (scale, fail_at_step, last_logits):
+    for fn in (scale, fail_at_step, last_logits, slow_steps):
         server.intervention(fn.__name__)(fn)
     return server
 
@@ -361,6 +375,49 @@ def test_intervention_errors(client):
     _status(e, openai.BadRequestError, 400, "asyncinterp")
 
 
+def test_malformed_bodies_get_openai_errors(live):
+    import httpx
+    url = live.url + "/v1/completions"
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    cases = [
+        (b"", 400), (b"{not json", 400), (b"[1, 2]", 400), (b"[" * 100_000 + b"]" * 100_000, 400),
+        (b'{"model": "tiny-gpt2"}', 400), (b'{"model": "tiny-gpt2", "prompt": 7}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": "hi", "max_tokens": -1}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": "hi", "temperature": 9}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": "hi", "stream": "yes"}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": "hi", "stop": [1]}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": [99999999]}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": "hi", "asyncinterp": "top_k"}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": "hi", "asyncinterp": {"intervention": "top_k", "timeout": -1}}', 400),
+        (b'{"model": "tiny-gpt2", "prompt": "' + b"a" * (2 << 20) + b'"}', 413),
+    ]
+    with httpx.Client(timeout=30) as h:
+        for body, status in cases:
+            r = h.post(url, content=body, headers=auth)
+            assert r.status_code == status, (body[:80], r.text)
+            err = r.json()["error"]
+            assert set(err) >= {"message", "type", "param", "code"} and err["message"], err
+        assert h.get(url, headers=auth).status_code == 405
+        assert h.post(url, content=b"{}", headers={"Content-Type": "application/json"}).status_code == 401
+        assert h.get(live.url + "/v1/health").json()["status"] == "ok"
+
+
+def test_leaving_a_stream_cancels_the_request(client):
+    RECORD.clear()
+    stream = client.completions.create(model=NAME, prompt="Hello there", max_tokens=100, temperature=0,
+                                       stream=True, extra_body={"asyncinterp": {"intervention": "slow_steps"}})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            break
+    stream.close()
+    import time
+    deadline = time.monotonic() + 20
+    while "closed" not in RECORD:
+        assert time.monotonic() < deadline, RECORD
+        time.sleep(0.05)
+    assert len(RECORD) < 50           # closed at its next hook point, long before 100 steps
+
+
 def test_missing_chat_template_and_code_not_allowed(plain_client):
     with pytest.raises(openai.BadRequestError) as e:
         plain_client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
@@ -551,6 +608,11 @@ def test_vllm_engine_behind_the_openai_endpoints(vllm_live):
                                      extra_body={"asyncinterp": {"code": VLLM_CODE, "params": {"factor": -3.0}}})
         chat = collect(c.chat.completions.create(model="tiny-vllm", messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
+        sampled = [c.completions.create(model="tiny-vllm", prompt=prompt, max_tokens=6, temperature=0.8, seed=3)
+                   .choices[0].text for _ in range(2)]
+        stop = steered.choices[0].text[3:6]
+        stopped = c.completions.create(model="tiny-vllm", prompt=prompt, max_tokens=6, temperature=0, stop=[stop],
+                                       extra_body=body)
     local_plain = vm.generate(prompt, max_new_tokens=6)
     local = vm.generate(prompt, functools.partial(vllm_steer, factor=-3.0), max_new_tokens=6)
     assert plain.choices[0].text == local_plain.text and plain.usage.completion_tokens == 6
@@ -560,6 +622,9 @@ def test_vllm_engine_behind_the_openai_endpoints(vllm_live):
     assert streamed["text"] == local.text and streamed["final"] == ext(steered)
     assert [e["value"] for e in streamed["emits"]] == local.result
     assert coded.choices[0].text == local.text and ext(coded)["result"] == -3.0   # submitted code edits too
+    assert sampled[0] == sampled[1]                                                  # seeded sampling
+    assert stopped.choices[0].text == local.text[:local.text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    assert len(ext(stopped)["result"]) == stopped.usage.completion_tokens < 6      # the engine stopped there
     if vm.tokenizer.chat_template:
         ids = chat_ids(vm, [{"role": "user", "content": "Hi"}])
         assert chat["text"] == vm.generate(ids, max_new_tokens=4).text
