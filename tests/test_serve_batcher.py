@@ -321,6 +321,29 @@ def test_generation_ending_at_eos_matches_solo(model):
     assert len(res[2].tokens) == 8
 
 
+def test_generation_ending_at_a_stop_string_matches_solo(model):
+    prompts = ["The cat sat on the", "Once upon a time", "Paris is the capital of"]
+    stop = [" Priest"]                                # the third prompt's third token; the others never stop
+
+    async def count(m):
+        n = 0
+        async for _ in m.steps():
+            await m.logits
+            n += 1
+        return n
+
+    async def main():
+        async with Batcher(model, max_batch=len(prompts), max_wait_ms=5000) as b:
+            res = await asyncio.gather(*[b.generate(p, count, max_new_tokens=8, stop=stop) for p in prompts])
+            return res, dict(b.stats)
+    res, stats = run(main())
+    assert stats["batches"] == 1 and stats["max_batch_seen"] == len(prompts)
+    for p, g in zip(prompts, res):
+        solo = model.generate(p, count, max_new_tokens=8, stop=stop)
+        assert g.tokens == solo.tokens.tolist() and g.text == solo.text and g.result == solo.result
+    assert [len(g.tokens) for g in res] == [8, 8, 3] and res[2].text.endswith(stop[0]) and res[2].result == 3
+
+
 def test_stream_generate_yields_tokens_and_emits_as_they_come(model):
     async def main():
         async with Batcher(model, max_batch=8, max_wait_ms=10) as b:

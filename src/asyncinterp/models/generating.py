@@ -110,7 +110,9 @@ class GeneratingModel:
         ``model.generate(max_new_tokens=...)`` without a prompt returns the run
         for a ``with`` block (``run.invoke(prompt, fn)`` per prompt). Decoding
         is greedy unless sampling keywords say otherwise; other keywords go to
-        the model's own generation call.
+        the model's own generation call. Both engines take ``stop`` (a string
+        or a list: a prompt's generation ends at the token that completes one
+        of them) and ``seed`` (sampling).
         """
         run = self._generation(_checked_max_new_tokens(max_new_tokens), on_error, options)
         if input is _NOTHING and not fns:
@@ -157,3 +159,19 @@ def _checked_max_new_tokens(n):
     if n is not None and (not isinstance(n, int) or n < 1):
         raise ValueError(f"max_new_tokens must be a positive int, got {n!r}")
     return n
+
+
+def check_stop(stop) -> tuple:
+    """The ``stop`` generation option as a tuple of non-empty strings (``None``: no stop strings)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise TypeError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+    return tuple(stop)
+
+
+def stop_hit(text: str, stops) -> bool:
+    """Whether generated ``text`` contains one of the stop strings ``stops``."""
+    return any(s in text for s in stops)

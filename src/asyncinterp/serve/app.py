@@ -15,7 +15,10 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
 * ``POST /v1/trace`` — ``{"input", "intervention", "timeout"?}`` → ``{"ok": true, "result"}``;
 * ``POST /v1/generate`` — ``{"input", "intervention"?, "max_new_tokens", "stream"?, "timeout"?}`` →
   ``{"ok": true, "result", "tokens", "text", "emitted"}``, or with ``"stream": true`` a stream of
-  msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``).
+  msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``);
+* ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
+  (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`), the intervention in an
+  ``asyncinterp`` field, with the same checks, limits, sandbox and batching as the native endpoints.
 
 ``intervention`` is a registered name, ``{"name", "params"}``, or (only when
 the server allows code) ``{"source", "entry"?, "params"}``.
@@ -31,6 +34,7 @@ Every request is logged as one structured record on the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import inspect
@@ -48,7 +52,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import wire
+from . import openai_compat, wire
 from .batcher import Batcher, BatcherClosed, BatcherFull
 from .params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401 (re-exported)
 from .sandbox import ProgramCache, SandboxRefused, SandboxTimeout
@@ -61,10 +65,11 @@ MSGPACK_STREAM = "application/x-msgpack-stream"
 
 # --------------------------------------------------------------------------- responses
 class _Fail(Exception):
-    def __init__(self, status, kind, exc_or_msg, headers=None):
+    def __init__(self, status, kind, exc_or_msg, headers=None, param=None):
         self.status = status
         self.kind = kind
         self.headers = headers
+        self.param = param      # the request field at fault, when known (OpenAI errors name it)
         if isinstance(exc_or_msg, BaseException):
             self.error = wire.encode_error(exc_or_msg, kind)
         else:
@@ -84,6 +89,16 @@ def _msgpack(obj, status=200, headers=None):
 
 def _error_response(fail: _Fail):
     return _msgpack({"ok": False, "error": fail.error}, fail.status, fail.headers)
+
+
+def _openai_error_response(fail: _Fail):
+    headers = dict(fail.headers or {})
+    if fail.status == 504:
+        headers["x-should-retry"] = "false"   # its own time limit or code budget: the same request would fail again
+    return JSONResponse(openai_compat.error_body(fail.status, fail.error, fail.param), fail.status, headers)
+
+
+_OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 def is_loopback(host: str) -> bool:
@@ -146,7 +161,7 @@ class Server:
         self.max_body_bytes = int(max_body_bytes)
         self.max_new_tokens = int(max_new_tokens)
         self.is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
-        ctx = getattr(model, "context_length", None)
+        ctx = getattr(model, "context_length", None) or getattr(model, "max_model_len", None)
         self.max_prompt_tokens = max_prompt_tokens or ctx or 4096
         self.limits = wire.Limits(max_bytes=self.max_body_bytes)
         self.batcher = batcher or Batcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
@@ -155,6 +170,7 @@ class Server:
         self.programs = ProgramCache()
         self._app = None
         self._vocab = None
+        self.started = int(time.time())
         if builtin_interventions and self.is_lm:
             from .builtins import register_builtins
             register_builtins(self)
@@ -187,11 +203,15 @@ class Server:
             Route("/v1/model", self._model_info, methods=["GET"]),
             Route("/v1/trace", self._trace, methods=["POST"]),
             Route("/v1/generate", self._generate, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
         ]
 
         async def http_error(request, exc):
             kind = "not_found" if exc.status_code in (404, 405) else "request"
-            return _error_response(_Fail(exc.status_code, kind, exc.detail or "not found"))
+            render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response
+            return render(_Fail(exc.status_code, kind, exc.detail or "not found"))
 
         async def shutdown():
             await self.batcher.aclose()
@@ -288,10 +308,33 @@ class Server:
 
     def _vocab_size(self):
         if self._vocab is None:
-            emb = self.model.module.get_input_embeddings() if hasattr(self.model.module, "get_input_embeddings") \
-                else None
-            self._vocab = int(emb.num_embeddings) if emb is not None else int(self.model.module.config.vocab_size)
+            module = self.model.module
+            emb = None
+            if hasattr(module, "get_input_embeddings"):
+                try:
+                    emb = module.get_input_embeddings()
+                except TypeError:      # vLLM's models take input ids there
+                    emb = None
+            if isinstance(emb, torch.nn.Embedding):
+                self._vocab = int(emb.num_embeddings)
+            elif getattr(getattr(module, "config", None), "vocab_size", None):
+                self._vocab = int(module.config.vocab_size)
+            else:                      # vLLM under tensor parallelism: the driver holds only a skeleton
+                self._vocab = len(self.model.tokenizer)
         return self._vocab
+
+    def _context_length(self):
+        """The model's context (prompt + new tokens): transformers' ``context_length``, vLLM's ``max_model_len``."""
+        return getattr(self.model, "context_length", None) or getattr(self.model, "max_model_len", None)
+
+    def _check_new_tokens(self, length, n, param="max_new_tokens"):
+        """Refuse a generation length outside ``[1, max_new_tokens]`` or past the model's context."""
+        if type(n) is not int or not 1 <= n <= self.max_new_tokens:
+            raise _Fail(400, "request", f"{param} must be an int in [1, {self.max_new_tokens}]", param=param)
+        ctx = self._context_length()
+        if ctx and length + n > ctx:
+            raise _Fail(400, "request", f"a prompt of {length} tokens + {n} new tokens exceeds the model's "
+                                        f"context of {ctx}", param=param)
 
     def _intervention(self, spec, timeout, required=True):
         """``(fn, on_cancel, label, meter)`` for a request's intervention spec; refuses before any model work."""
@@ -357,8 +400,11 @@ class Server:
         if extra:
             raise _Fail(400, "request", f"unknown field(s) {[short_repr(k) for k in extra]}; allowed: {sorted(allowed)}")
 
-    async def _guarded(self, request, kind, work):
-        """Auth, logging and error mapping around one endpoint; ``work()`` returns a Response."""
+    async def _guarded(self, request, kind, work, render=_error_response):
+        """Auth, logging and error mapping around one endpoint; ``work()`` returns a Response.
+
+        ``render(fail)``: the error response (msgpack for the native endpoints, OpenAI's JSON for theirs).
+        """
         t0 = time.perf_counter()
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         fields = {"event": kind, "request_id": rid[:64], "path": request.url.path,
@@ -372,7 +418,7 @@ class Server:
             status = fail.status
             fields["error"] = fail.error.get("type")
             fields["error_kind"] = fail.kind
-            response = _error_response(fail)
+            response = render(fail)
         except ClientDisconnect:
             # the client went away while sending its body: nothing to answer, nothing went wrong here
             status = 499
@@ -384,7 +430,7 @@ class Server:
             log.exception("internal error", extra={"fields": {"request_id": rid}})
             status = 500
             fields["error"] = type(exc).__name__
-            response = _error_response(_Fail(500, "internal", f"internal server error ({type(exc).__name__})"))
+            response = render(_Fail(500, "internal", f"internal server error ({type(exc).__name__})"))
         fields["status"] = status
         fields["ms"] = round(1000 * (time.perf_counter() - t0), 2)
         response.headers["x-request-id"] = rid[:64]
@@ -404,7 +450,8 @@ class Server:
         return await aio.run_watched(fn, disconnected, catch=_INTERVENTION_ERRORS)
 
     async def _respond(self, request, fields, call, answer) -> Response:
-        """Await ``call()`` unless the client disconnects (499); ``answer(value)`` as the msgpack response."""
+        """Await ``call()`` unless the client disconnects (499); ``answer(value)`` as the response (a map is
+        sent as msgpack; a Response as it is). An answer that cannot be encoded is the intervention's 422."""
         try:
             outcome = await self._until_disconnect(request, call)
         except BatcherFull as exc:
@@ -415,10 +462,10 @@ class Server:
         if outcome.exc is not None:
             raise self._run_error(outcome.exc, fields)
         try:
-            body = wire.packb(answer(outcome.value))
+            out = answer(outcome.value)
+            return out if isinstance(out, Response) else Response(wire.packb(out), media_type=MSGPACK)
         except wire.WireError as exc:
             raise _Fail(422, "intervention", exc) from None
-        return Response(body, media_type=MSGPACK)
 
     def _run_error(self, exc, fields) -> _Fail:
         if isinstance(exc, BatcherFull):
@@ -485,12 +532,7 @@ class Server:
                 raise _Fail(400, "request", "missing field 'input'")
             x, length = self._input(obj["input"])
             n = obj.get("max_new_tokens", 20)
-            if type(n) is not int or not 1 <= n <= self.max_new_tokens:
-                raise _Fail(400, "request", f"max_new_tokens must be an int in [1, {self.max_new_tokens}]")
-            ctx = getattr(self.model, "context_length", None)
-            if ctx and length + n > ctx:
-                raise _Fail(400, "request", f"a prompt of {length} tokens + {n} new tokens exceeds the model's "
-                                            f"context of {ctx}")
+            self._check_new_tokens(length, n)
             stream = obj.get("stream", False)
             if type(stream) is not bool:
                 raise _Fail(400, "request", "stream must be a bool")
@@ -516,24 +558,105 @@ class Server:
             return await self._respond(request, fields, call, answer)
         return await self._guarded(request, "generate", work)
 
-    async def _stream(self, events):
+    async def _stream(self, events, encode=None, encode_error=None, end_on_error=False):
+        """The body of a streaming answer: ``encode(event)`` for each batcher event, ``encode_error(fail)`` for
+        a failure (the request's, or an event that cannot be encoded: the stream goes on after that unless
+        ``end_on_error``, which cancels the request); msgpack maps unless given."""
+        encode = encode or _msgpack_event
+        encode_error = encode_error or _msgpack_stream_error
         try:
             async for ev in events:
-                if ev["event"] == "done":
-                    g = ev["result"]
-                    item = {"event": "done", "ok": True, "result": g.result, "tokens": g.tokens, "text": g.text}
-                else:
-                    item = ev
                 try:
-                    chunk = wire.packb(item)
+                    chunk = encode(ev)
                 except wire.WireError as exc:
-                    chunk = wire.packb({"event": "error", "ok": False, "error": wire.encode_error(exc, "intervention")})
-                yield chunk
+                    yield encode_error(_Fail(422, "intervention", exc))
+                    if end_on_error:
+                        return
+                    continue
+                if chunk:
+                    yield chunk
         except _INTERVENTION_ERRORS as exc:
-            fail = self._run_error(exc, {})
-            yield wire.packb({"event": "error", "ok": False, "status": fail.status, "error": fail.error})
+            yield encode_error(self._run_error(exc, {}))
         finally:
             await events.aclose()
+
+    # ------------------------------------------------------------------ OpenAI-compatible endpoints
+    async def _completions(self, request):
+        return await self._guarded(request, "completions", functools.partial(self._openai, request, "completions"),
+                                   _openai_error_response)
+
+    async def _chat_completions(self, request):
+        return await self._guarded(request, "chat.completions", functools.partial(self._openai, request, "chat"),
+                                   _openai_error_response)
+
+    async def _models(self, request):
+        async def work(fields):
+            return JSONResponse(openai_compat.models_list(self.name, self.started))
+        return await self._guarded(request, "models", work, _openai_error_response)
+
+    async def _openai(self, request, kind, fields):
+        """One OpenAI request: its shapes come from :mod:`.openai_compat`; input, intervention, limits, batching
+        and errors go through the same methods as ``/v1/generate``."""
+        if not self.is_lm:
+            raise _Fail(400, "request", "this model does not generate (it is not a language model)")
+        try:
+            req = openai_compat.parse_request(kind, openai_compat.decode_body(await self._read_body(request)),
+                                              self.interventions)
+            if req.model != self.name:
+                raise _Fail(404, "not_found", f"the model {req.model!r} does not exist here; this server serves "
+                                            f"{self.name!r} (GET /v1/models)", param="model")
+            prompt = req.prompt if req.messages is None else openai_compat.chat_prompt(self.model.tokenizer,
+                                                                                      req.messages)
+        except BadRequest as exc:
+            raise _Fail(400, "request", str(exc), param=getattr(exc, "param", None)) from None
+        try:
+            x, length = self._input(prompt)
+        except _Fail as fail:   # the same checks as /v1/generate; OpenAI's errors name the field at fault
+            fail.param = "prompt" if req.messages is None else "messages"
+            raise
+        n = req.max_tokens
+        if n is None:   # chat without a limit: as much as the server and the context allow
+            ctx = self._context_length()
+            n = max(1, min(self.max_new_tokens, ctx - length)) if ctx else self.max_new_tokens
+        self._check_new_tokens(length, n, req.max_tokens_param)
+        try:
+            timeout = self._timeout({"timeout": req.timeout})
+            fn, on_cancel, label, meter = self._intervention(req.intervention, timeout, required=False)
+        except _Fail as fail:
+            fail.param = openai_compat.EXT
+            raise
+        fields.update(intervention=label, max_new_tokens=n, model=req.model)
+        fns = (fn,) if fn is not None else ()
+        shaper = openai_compat.Shaper(req, n, length, openai_compat.eos_ids(self.model), fn is not None)
+        options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter, **req.generate)
+        if req.stream:
+            try:
+                events = self.batcher.stream_generate(x, *fns, **options)
+            except BatcherFull as exc:
+                raise self._run_error(exc, fields) from None
+            fields["stream"] = True
+
+            async def body():
+                yield shaper.start()
+                chunks = self._stream(events, shaper.event, lambda fail: shaper.error(
+                    openai_compat.error_body(fail.status, fail.error, fail.param)), end_on_error=True)
+                async with contextlib.aclosing(chunks):    # closed (the request cancelled) when the client leaves
+                    async for chunk in chunks:
+                        yield chunk
+            return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        call = functools.partial(self.batcher.generate, x, *fns, **options)
+        return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
+
+
+def _msgpack_event(ev) -> bytes:
+    if ev["event"] == "done":
+        g = ev["result"]
+        ev = {"event": "done", "ok": True, "result": g.result, "tokens": g.tokens, "text": g.text}
+    return wire.packb(ev)
+
+
+def _msgpack_stream_error(fail: _Fail) -> bytes:
+    return wire.packb({"event": "error", "ok": False, "status": fail.status, "error": fail.error})
 
 
 # what a request may fail with (an intervention may raise even SystemExit/KeyboardInterrupt: it must not
@@ -546,8 +669,6 @@ def _takes_on_shutdown():
 
 
 def _lifespan(shutdown):
-    import contextlib
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield

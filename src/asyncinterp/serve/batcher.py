@@ -47,6 +47,7 @@ import torch
 from .. import aio
 from ..kernel.errors import RunCancelled
 from ..kernel.scheduler import current_kernel, current_task
+from ..models.generating import check_stop, stop_hit
 from ..run import EVENTS
 
 log = logging.getLogger("asyncinterp.serve")
@@ -811,8 +812,9 @@ class _GenerationWatch:
 
     It installs a tap on ``m.tokens`` (called after the requests' own tasks
     have seen the step's tokens); a request that has its ``max_new_tokens``
-    tokens, or whose rows all produced an end-of-sequence token, leaves the
-    run there (``Kernel.end_group``) and gets its result at once.
+    tokens, or whose rows all produced an end-of-sequence token or completed
+    a string of its ``stop`` option, leaves the run there
+    (``Kernel.end_group``) and gets its result at once.
     """
 
     def __init__(self, batcher, run, requests):
@@ -826,6 +828,12 @@ class _GenerationWatch:
         run = self.run
         run.tap(m.tokens, self._on_tokens)
         return None
+
+    def _ended(self, row_tokens, eos, stops) -> bool:
+        """Whether a row ends with an end-of-sequence token or its text has a stop string (``stop`` option)."""
+        if row_tokens[-1] in eos:
+            return True
+        return bool(stops) and stop_hit(self.tokenizer.decode(row_tokens, skip_special_tokens=True), stops)
 
     def _on_tokens(self, ids):
         run = self.run
@@ -844,14 +852,15 @@ class _GenerationWatch:
                 kernel.end_group(idx)
                 r.finish_generation(self.tokenizer, early=True)
                 continue
+            stops = check_stop(r.gen.get("stop"))
             done_rows = 0
             for row_tokens, t in zip(r.tokens, rows):
-                if row_tokens and row_tokens[-1] in eos:
+                if row_tokens and self._ended(row_tokens, eos, stops):
                     done_rows += 1   # already finished: HF pads it, we keep what it generated
                     continue
                 if len(row_tokens) < r.max_new_tokens:
                     row_tokens.append(int(t))
-                if int(t) in eos or len(row_tokens) >= r.max_new_tokens:
+                if self._ended(row_tokens, eos, stops) or len(row_tokens) >= r.max_new_tokens:
                     done_rows += 1
             r.stream_tokens(self.tokenizer)
             if done_rows == len(r.tokens) and r.state != "cancelled":

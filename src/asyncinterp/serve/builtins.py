@@ -35,8 +35,15 @@ def _envoy(m, path: str):
     return e
 
 
+async def _next_token_logits(m):
+    """``[rows, vocab]``: the next-token logits of this pass."""
+    if hasattr(m, "logits_of"):   # vLLM's root: the logits are a point of their own (its output is a hidden state)
+        return await m.logits
+    return _first_tensor(await m.output)[:, -1]
+
+
 async def _top_k(m, k):
-    logits = _first_tensor(await m.output)[:, -1].float()
+    logits = (await _next_token_logits(m)).float()
     probs = logits.softmax(-1)
     p, ids = probs.topk(k, dim=-1)
     return {"ids": ids, "probs": p}

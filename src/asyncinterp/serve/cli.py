@@ -3,13 +3,17 @@
     asyncinterp serve                          # bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
     asyncinterp serve tiny-gpt2 --port 8123 --api-key secret --allow-code
     asyncinterp serve ./my-model-dir --interventions my_interventions.py
+    asyncinterp serve ./my-model-dir --engine vllm --tensor-parallel-size 2 --max-model-len 2048
 
 MODEL is ``smollm2`` (default), ``tiny-gpt2`` / ``tiny-llama`` (random
 weights, instant), ``gpt2-small`` (GPT-2-small shape from config, random
-weights) or a local transformers causal-LM directory. ``--interventions
-FILE`` loads a Python file that defines ``register(server)`` (your trusted
-named interventions). API keys come from ``--api-key`` (repeatable) or the
-``ASYNCINTERP_API_KEYS`` environment variable (comma separated).
+weights) or a local transformers causal-LM directory. ``--engine vllm``
+serves the model with an in-process vLLM engine (``ai.VLLM``; MODEL is then
+``smollm2`` or a model directory) behind the same endpoints, native and
+OpenAI-compatible. ``--interventions FILE`` loads a Python file that defines
+``register(server)`` (your trusted named interventions). API keys come from
+``--api-key`` (repeatable) or the ``ASYNCINTERP_API_KEYS`` environment
+variable (comma separated).
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL",
                    help="smollm2 (default), tiny-gpt2, tiny-llama, gpt2-small, or a transformers model directory")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="transformers (default: ai.LanguageModel) or vllm (ai.VLLM, an in-process vLLM engine)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and OpenAI requests (default: MODEL as given)")
+    g = p.add_argument_group("vLLM engine options (with --engine vllm)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N", help="tensor-parallel workers")
+    g.add_argument("--dtype", default=None,
+                   help="weights' dtype (default: float32 without a GPU, vLLM's 'auto' with one)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (prompt + new)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="N", help="KV cache size in bytes")
+    g.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="most requests per engine step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="token budget per step")
+    g.add_argument("--seed", type=int, default=None, help="the engine's random seed")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other vllm.LLM keyword (repeatable; VALUE is parsed as JSON when it can be)")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -64,6 +83,53 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", help="log level (default info)")
     p.add_argument("--allow-non-loopback", action="store_true",
                    help="allow binding a non-loopback address (put TLS and a real auth layer in front!)")
+
+
+_VLLM_FLAGS = ("tensor_parallel_size", "dtype", "max_model_len", "kv_cache_memory_bytes", "max_num_seqs",
+               "max_num_batched_tokens", "seed")
+
+
+def engine_options(args) -> dict:
+    """The ``vllm.LLM`` keywords the command line asks for (``--engine vllm`` only)."""
+    import json
+    options = {k: getattr(args, k) for k in _VLLM_FLAGS if getattr(args, k, None) is not None}
+    for item in getattr(args, "engine_arg", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        try:
+            options[key.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            options[key.replace("-", "_")] = value
+    if getattr(args, "engine", "transformers") != "vllm":
+        if options:
+            raise ValueError(f"{sorted(options)}: engine options need --engine vllm")
+        return {}
+    if "dtype" not in options:
+        import torch
+        options["dtype"] = "auto" if torch.cuda.is_available() else "float32"
+    return options
+
+
+def build_model(args):
+    """The model the command line asks for: the one place where the serving engine is chosen and made."""
+    options = engine_options(args)
+    if args.engine == "vllm":
+        return load_vllm(args.model, args.cache_dir, **options)
+    return load_model(args.model, args.cache_dir)
+
+
+def load_vllm(name: str, cache_dir=None, **engine_kwargs):
+    """``ai.VLLM`` over the bundled SmolLM2 (``smollm2``, converted once) or a model directory."""
+    if name == "smollm2":
+        from ..models.hf.bundled import smollm2_dir
+        directory = str(smollm2_dir(cache_dir))
+    elif os.path.isdir(name):
+        directory = name
+    else:
+        raise FileNotFoundError(f"--engine vllm serves a model directory or smollm2, not {name!r}")
+    from ..models.vllm import VLLM
+    return VLLM(directory, **engine_kwargs)
 
 
 def load_model(name: str, cache_dir=None):
@@ -125,7 +191,7 @@ def setup_logging(fmt: str, level: str) -> None:
 
 
 def run(args) -> int:
-    from .app import Server, is_loopback
+    from .app import is_loopback
     if not is_loopback(args.host) and not args.allow_non_loopback:
         print(f"asyncinterp serve: refusing to bind {args.host!r}: only loopback addresses (127.0.0.1, ::1, "
               "localhost) unless --allow-non-loopback", file=sys.stderr)
@@ -138,11 +204,23 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     keys = list(args.api_key) + [k.strip() for k in os.environ.get("ASYNCINTERP_API_KEYS", "").split(",") if k.strip()]
     log = logging.getLogger("asyncinterp.serve")
-    model = load_model(args.model, args.cache_dir)
+    engine_options(args)   # refuse inconsistent engine options before loading anything
+    model = build_model(args)
+    try:
+        return _serve(args, model, keys, log)
+    finally:
+        close = getattr(model, "close", None)   # a vLLM engine: shut it (and its workers) down
+        if close is not None:
+            close()
+
+
+def _serve(args, model, keys, log) -> int:
+    from .app import Server
     server = Server(model, api_keys=keys, allow_code=args.allow_code, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
-                    code_budget=args.code_budget, max_body_bytes=args.max_body_bytes, max_new_tokens=args.max_new_tokens, exact=args.exact,
-                    name=args.model, builtin_interventions=not args.no_builtins)
+                    code_budget=args.code_budget, max_body_bytes=args.max_body_bytes,
+                    max_new_tokens=args.max_new_tokens, exact=args.exact,
+                    name=args.served_model_name or args.model, builtin_interventions=not args.no_builtins)
     for path in args.interventions:
         load_interventions(server, path)
     if not keys:
@@ -154,7 +232,8 @@ def run(args) -> int:
     import uvicorn
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False)
     userver = uvicorn.Server(config)
-    log.info("serving", extra={"fields": {"event": "startup", "model": args.model, "host": args.host,
+    log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": args.engine,
+                                          "host": args.host,
                                           "port": args.port, "interventions": sorted(server.interventions),
                                           "allow_code": args.allow_code}})
     userver.run()

@@ -763,8 +763,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def private_copy(t: torch.Tensor):
-    """``(plain, private)``: a fresh copy of ``t`` and its :class:`PrivateTensor` face (same memory)."""
-    with _DisableTorchFunction():
+    """``(plain, private)``: a fresh copy of ``t`` and its :class:`PrivateTensor` face (same memory).
+
+    The copy is an ordinary tensor even when the model runs under ``torch.inference_mode`` (vLLM):
+    inference tensors have no version counter, which is how in-place edits of the copy are detected.
+    """
+    with _DisableTorchFunction(), torch.inference_mode(False):
         plain = t.detach().clone() if type(t) is torch.Tensor else _plain(t).detach().clone()
         return plain, plain.as_subclass(PrivateTensor)
 

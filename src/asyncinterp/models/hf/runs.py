@@ -9,17 +9,22 @@ its prompt alone would produce. A generation also
 * routes the next-token scores and the chosen ids through the ``m.logits``
   and ``m.tokens`` tap points (see :mod:`.taps`);
 * records the sequences after every step, so a stopped generation still
-  returns what it produced.
+  returns what it produced;
+* takes two options beside transformers' own: ``stop`` (strings: a row ends
+  at the step whose token completes one of them, as in vLLM) and ``seed``
+  (sampling draws from a generator seeded for this run only).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from ...kernel.errors import NotInRunError
 from ...hooks.batching import forward_kwargs
 from ...model import Trace
-from ..generating import Generated, GeneratedInvoke
+from ..generating import Generated, GeneratedInvoke, check_stop, stop_hit
 from .inputs import build_batch, check_length, pad_id_of
 from .padding import PaddedLayout
 from .taps import logits_processor, rank_of, stopping_criteria
@@ -104,6 +109,7 @@ class GenerateRun(LMRun):
         self.generate_kwargs = dict(generate_kwargs)
         self._sequences = None
         self._eos = ()
+        self._stops = ()
 
     def invoke(self, input=None, *fns, **kwargs) -> Generation:
         """Add a prompt (``None``: see every row) and its interventions."""
@@ -129,22 +135,30 @@ class GenerateRun(LMRun):
         new = seq[:, batch.input_ids.shape[1]:]
         if span is not None:
             new = new[span[0]:span[1]]
-        rows = [self._until_eos(r) for r in new]
         tok = self.model.tokenizer
+        rows = [self._until_end(r, tok) for r in new]
         texts = None if tok is None else [tok.decode(r.tolist(), skip_special_tokens=True) for r in rows]
         prompt = batch.prompts[group]
         if prompt is not None and prompt.single:
             return Generated(rows[0], None if texts is None else texts[0])
         return Generated(rows, texts)
 
-    def _until_eos(self, row):
-        if not self._eos or row.numel() == 0:
-            return row.clone()
-        hits = torch.zeros_like(row, dtype=torch.bool)
-        for e in self._eos:
-            hits |= row == e
-        idx = hits.nonzero()
-        return row[: int(idx[0]) + 1].clone() if len(idx) else row.clone()
+    def _until_end(self, row, tokenizer):
+        """``row`` through its first end-of-sequence token or the token that completes a stop string."""
+        if self._eos and row.numel():
+            hits = torch.zeros_like(row, dtype=torch.bool)
+            for e in self._eos:
+                hits |= row == e
+            idx = hits.nonzero()
+            if len(idx):
+                row = row[: int(idx[0]) + 1]
+        if self._stops and tokenizer is not None:
+            ids = row.tolist()
+            for i in range(len(ids)):
+                if stop_hit(tokenizer.decode(ids[: i + 1], skip_special_tokens=True), self._stops):
+                    row = row[: i + 1]
+                    break
+        return row.clone()
 
     def _record(self, input_ids):
         self._sequences = input_ids
@@ -169,6 +183,10 @@ class GenerateRun(LMRun):
         new_tokens = kw.get("max_new_tokens") or 0
         batch = self._batch(extra_tokens=new_tokens)
         module = lm.module
+        self._stops = check_stop(kw.pop("stop", None))
+        seed = kw.pop("seed", None)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an int, got {seed!r}")
         kw.setdefault("do_sample", False)
         kw.setdefault("pad_token_id", pad_id_of(lm.tokenizer))
         eos = kw.get("eos_token_id", getattr(module.generation_config, "eos_token_id", None))
@@ -179,9 +197,37 @@ class GenerateRun(LMRun):
         processors.append(logits_processor(taps["logits"].envoy.module))
         criteria = StoppingCriteriaList(list(kw.pop("stopping_criteria", None) or []))
         criteria.append(stopping_criteria(taps["tokens"].envoy.module, self._record))
+        if self._stops:
+            criteria.append(stop_strings_criteria(lm.tokenizer, self._stops, batch.input_ids.shape[1]))
 
         def forward():
             self.track_steps(module, on_step=self._on_step)
-            return module.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                   logits_processor=processors, stopping_criteria=criteria, **kw)
+            with _seeded(seed, batch.input_ids.device):
+                return module.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                       logits_processor=processors, stopping_criteria=criteria, **kw)
         return forward
+
+
+@contextlib.contextmanager
+def _seeded(seed, device):
+    """Sampling in the block draws from ``torch.manual_seed(seed)``; the caller's RNG state is restored after."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def stop_strings_criteria(tokenizer, stops, prompt_len):
+    """A ``StoppingCriteria``: a row is done once its generated text contains one of ``stops``."""
+    from transformers import StoppingCriteria
+
+    class _StopStrings(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = [stop_hit(tokenizer.decode(row[prompt_len:].tolist(), skip_special_tokens=True), stops)
+                    for row in input_ids]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return _StopStrings()

@@ -1,0 +1,540 @@
+"""OpenAI-compatible shapes: ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``.
+
+Why this module exists: programs written for OpenAI's API (the ``openai``
+package and everything built on it) should reach an asyncinterp server
+unchanged, with an intervention riding along in one extension field of the
+request body::
+
+    "asyncinterp": {"intervention": "steer", "params": {...}, "timeout": 5}
+    "asyncinterp": {"code": "async def f(m, k): ...", "entry": "f", "params": {"k": 3}}   # --allow-code
+
+This module only translates. A request body becomes a prompt (chat messages
+through the tokenizer's chat template), engine-neutral generation keywords
+(``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``:
+both ``LanguageModel.generate`` and ``VLLM.generate`` take them) and the
+server's native intervention spec; a :class:`~.batcher.GenerateResult`, or the
+batcher's event stream, becomes OpenAI's JSON answer or its server-sent
+events, with the intervention's result (and its ``emit`` values) in an
+``asyncinterp`` field. The checks, limits, sandbox, batching, authentication
+and error mapping are the server's own (:mod:`.app` calls this module; it
+imports nothing from there). Invalid requests raise :class:`~.params.BadRequest`
+(with ``param``, OpenAI's name of the offending field).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.generating import stop_hit
+from .params import BadRequest, short_repr
+from .wire import WireError
+
+EXT = "asyncinterp"   # the extension field, in requests, answers, chunks and errors
+MAX_STOPS = 4         # as OpenAI
+MAX_STOP_CHARS = 256
+
+# fields OpenAI defines that this server does not implement: accepted only at their neutral values
+_NEUTRAL = {
+    "echo": (False, None), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,),
+}
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", EXT}
+_FIELDS = {
+    "completions": _COMMON | {"prompt"},
+    "chat": _COMMON | {"messages", "max_completion_tokens"},
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _bad(message, param=None):
+    exc = BadRequest(message)
+    exc.param = param
+    return exc
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass
+class OpenAIRequest:
+    """A checked OpenAI request: what to generate and how, and the intervention spec (native form)."""
+
+    kind: str                      # "completions" or "chat"
+    model: str
+    prompt: object = None          # completions: a string or a list of token ids
+    messages: list = None          # chat: [{"role", "content"}] with text content
+    max_tokens: int | None = None
+    generate: dict = field(default_factory=dict)   # engine-neutral generation keywords
+    stop: tuple = ()
+    stream: bool = False
+    include_usage: bool = False
+    intervention: dict | None = None                # the server's native spec, or None
+    timeout: float | None = None
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.kind == "chat" else "max_tokens"
+
+
+def decode_body(body: bytes):
+    """The JSON object of a request body (``BadRequest`` otherwise)."""
+    if not body:
+        raise _bad("empty body: send a JSON object")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise _bad(f"the body is not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise _bad(f"the body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_request(kind: str, obj: dict, registered: dict) -> OpenAIRequest:
+    """Check an OpenAI request body (``kind``: ``"completions"`` or ``"chat"``); ``registered``: name -> Registered."""
+    allowed = _FIELDS[kind]
+    for key, value in obj.items():
+        if key in allowed or key in _IGNORED:
+            continue
+        if key in _NEUTRAL:
+            if not any(value == v and type(value) is type(v) or value is v for v in _NEUTRAL[key]):
+                raise _bad(f"{key}={short_repr(value)} is not supported by this server", key)
+            continue
+        raise _bad(f"unsupported field {short_repr(key)}; this server takes {sorted(allowed | _IGNORED)}",
+                   key if isinstance(key, str) else None)
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required: the name GET /v1/models lists", "model")
+    req = OpenAIRequest(kind, model)
+    if kind == "completions":
+        req.prompt = _prompt(obj.get("prompt"))
+        req.max_tokens = _max_tokens(obj, "max_tokens", default=16)
+    else:
+        req.messages = _messages(obj.get("messages"))
+        if obj.get("max_completion_tokens") is not None:
+            req.max_tokens = _max_tokens(obj, "max_completion_tokens")
+        else:
+            req.max_tokens = _max_tokens(obj, "max_tokens")
+    n = obj.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise _bad(f"n={short_repr(n)} is not supported: one choice per request (send several requests; the "
+                   "server batches them together)", "n")
+    req.stop = _stops(obj.get("stop"))
+    req.generate = _sampling(obj)
+    if req.stop:
+        req.generate["stop"] = list(req.stop)
+    stream = obj.get("stream")
+    if stream is not None and type(stream) is not bool:
+        raise _bad("stream must be true or false", "stream")
+    req.stream = bool(stream)
+    options = obj.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or any(k != "include_usage" for k in options):
+            raise _bad("stream_options takes {'include_usage': bool}", "stream_options")
+        if not req.stream:
+            raise _bad("stream_options is only allowed with stream=true", "stream_options")
+        usage = options.get("include_usage", False)
+        if type(usage) is not bool:
+            raise _bad("stream_options.include_usage must be true or false", "stream_options")
+        req.include_usage = usage
+    req.intervention, req.timeout = _extension(obj.get(EXT), registered)
+    return req
+
+
+def _prompt(value):
+    if isinstance(value, str):
+        if not value:
+            raise _bad("prompt is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return value
+    if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or isinstance(value[0], list)):
+        return _prompt(value[0])
+    if isinstance(value, list) and len(value) > 1:
+        raise _bad("several prompts in one request are not supported: send one request per prompt (concurrent "
+                   "requests share forward passes on the server)", "prompt")
+    raise _bad("prompt must be a string or a list of token ids", "prompt")
+
+
+def _messages(value):
+    if not isinstance(value, list) or not value:
+        raise _bad("messages must be a non-empty list of {'role', 'content'}", "messages")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise _bad(f"messages[{i}] must be an object", "messages")
+        extra = [k for k in msg if k not in ("role", "content", "name")]
+        if extra:
+            raise _bad(f"messages[{i}]: unsupported field(s) {[short_repr(k) for k in extra]} (text messages only)",
+                       "messages")
+        role = _ROLES.get(msg.get("role"))
+        if role is None:
+            raise _bad(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {short_repr(msg.get('role'))}",
+                       "messages")
+        out.append({"role": role, "content": _content(msg.get("content"), i)})
+    return out
+
+
+def _content(value, i):
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                           "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _max_tokens(obj, name, default=None):
+    value = obj.get(name)
+    if value is None:
+        return default
+    if type(value) is not int or value < 1:
+        raise _bad(f"{name} must be a positive integer", name)
+    return value
+
+
+def _stops(value):
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop must be a string or a list of strings", "stop")
+    stops = [s for s in stops if s]
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise _bad(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    return tuple(stops)
+
+
+def _number(obj, name, lo, hi, default):
+    value = obj.get(name)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
+        raise _bad(f"{name} must be a number in [{lo}, {hi}]", name)
+    return float(value)
+
+
+def _sampling(obj) -> dict:
+    """Generation keywords both engines take: greedy (none) at temperature 0, else sampling with top_k off."""
+    temperature = _number(obj, "temperature", 0.0, 2.0, 1.0)   # OpenAI's default is 1: sampling
+    top_p = _number(obj, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise _bad("top_p must be greater than 0", "top_p")
+    seed = obj.get("seed")
+    if seed is not None and (type(seed) is not int or not -(2 ** 63) <= seed < 2 ** 63):
+        raise _bad("seed must be an integer", "seed")
+    if temperature == 0.0:
+        return {}      # greedy: each engine's default (and the native endpoints'), so these requests share runs
+    out = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+    if seed is not None:
+        out["seed"] = seed
+    return out
+
+
+def _extension(ext, registered):
+    """The ``asyncinterp`` field -> (the server's native intervention spec or None, timeout or None)."""
+    if ext is None:
+        return None, None
+    if not isinstance(ext, dict):
+        raise _bad(f"{EXT} must be an object: {{'intervention': name, 'params': {{...}}}} or "
+                   "{'code': source, 'entry'?, 'params'}", EXT)
+    extra = [k for k in ext if k not in ("intervention", "code", "entry", "params", "timeout")]
+    if extra:
+        raise _bad(f"{EXT}: unknown field(s) {[short_repr(k) for k in extra]}; it takes intervention or code, "
+                   "entry, params, timeout", EXT)
+    timeout = ext.get("timeout")
+    params = ext.get("params")
+    if "intervention" in ext and "code" in ext:
+        raise _bad(f"{EXT}: give either 'intervention' (a registered name) or 'code', not both", EXT)
+    if "code" in ext:
+        spec = {"source": ext["code"], "params": params}
+        if ext.get("entry") is not None:
+            spec["entry"] = ext["entry"]
+        return spec, timeout
+    if "entry" in ext:
+        raise _bad(f"{EXT}: 'entry' goes with 'code'", EXT)
+    name = ext.get("intervention")
+    if name is None:
+        if params is not None:
+            raise _bad(f"{EXT}: 'params' without an 'intervention' or 'code'", EXT)
+        return None, timeout
+    reg = registered.get(name) if isinstance(name, str) else None
+    if reg is not None and isinstance(params, dict):
+        params = {k: _tensor_param(reg, k, v) for k, v in params.items()}
+    return {"name": name, "params": params}, timeout
+
+
+def _tensor_param(reg, name, value):
+    """A JSON list given for a parameter declared ``torch.Tensor`` becomes ``torch.tensor(value)``."""
+    p = reg.params.get(name)
+    if p is None or p.type is not torch.Tensor or not isinstance(value, list):
+        return value
+    try:
+        t = torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise _bad(f"parameter {name!r}: not a rectangular list of numbers ({exc})", EXT) from None
+    if t.dim() > 8 or t.dtype not in (torch.float32, torch.int64, torch.bool):
+        raise _bad(f"parameter {name!r}: at most 8 dimensions of numbers", EXT)
+    return t
+
+
+def chat_prompt(tokenizer, messages) -> list:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template, ready for the assistant's answer."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise _bad("this model's tokenizer has no chat template: use POST /v1/completions with a prompt",
+                   "messages")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (roles, order)
+        raise _bad(f"the chat template refused these messages: {type(exc).__name__}: {exc}", "messages") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+# --------------------------------------------------------------------------- results as JSON
+def to_json(value, depth: int = 0):
+    """A result or emitted value as JSON: tensors -> nested lists, tuples -> lists, non-finite floats ->
+    ``"NaN"``/``"Infinity"``/``"-Infinity"``; anything else that JSON cannot hold raises :class:`WireError`."""
+    if depth > 64:
+        raise WireError("the result nests deeper than 64 levels")
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise WireError("a complex tensor cannot be sent as JSON")
+        t = value.detach().cpu()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return to_json(t.tolist(), depth + 1)
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise WireError(f"a result map key of type {type(k).__name__} cannot be sent as JSON")
+            out[k if isinstance(k, str) else json.dumps(k)] = to_json(v, depth + 1)
+        return out
+    raise WireError(f"a result of type {type(value).__name__} cannot be sent as JSON")
+
+
+def _emitted(items):
+    return [{"step": e["step"], "value": to_json(e["value"])} for e in items]
+
+
+def cut_at_stop(text: str, stops) -> tuple:
+    """``(text before the first stop string, whether one was found)``."""
+    if not stops or not stop_hit(text, stops):
+        return text, False
+    return text[:min(text.find(s) for s in stops if s in text)], True
+
+
+# --------------------------------------------------------------------------- answers
+class Shaper:
+    """OpenAI answers for one request: the JSON response, or its stream of server-sent events.
+
+    ``prompt_tokens``: the prompt's length; ``eos``: end-of-sequence ids
+    (a finish reason of ``"stop"``); ``extension``: whether to add the
+    ``asyncinterp`` field (the request carried an intervention).
+    """
+
+    def __init__(self, req: OpenAIRequest, max_tokens: int, prompt_tokens: int, eos, extension: bool):
+        self.req = req
+        self.chat = req.kind == "chat"
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.max_tokens = max_tokens
+        self.prompt_tokens = prompt_tokens
+        self.eos = frozenset(eos)
+        self.extension = extension
+        # streaming state
+        self.text = ""           # the generated text so far (all token events)
+        self.sent = ""           # what went out (never past a stop string)
+        self.tokens = []
+        self.stopped = False
+        self.replay = None       # after a "restart": how many already-sent tokens to check again
+
+    # ---------------------------------------------------------------- one answer
+    def finish_reason(self, tokens, hit_stop: bool) -> str:
+        if hit_stop or (tokens and tokens[-1] in self.eos) or len(tokens) < self.max_tokens:
+            return "stop"
+        return "length"
+
+    def usage(self, n_tokens):
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n_tokens,
+                "total_tokens": self.prompt_tokens + n_tokens}
+
+    def ext(self, g):
+        return {"result": to_json(g.result), "emitted": _emitted(g.emitted)}
+
+    def response(self, g) -> dict:
+        """The non-streaming answer for a :class:`~.batcher.GenerateResult`."""
+        tokens = list(g.tokens)
+        text, hit = cut_at_stop(g.text, self.req.stop)
+        reason = self.finish_reason(tokens, hit)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.req.model,
+               "choices": [choice], "usage": self.usage(len(tokens))}
+        if self.extension:
+            out[EXT] = self.ext(g)
+        return out
+
+    # ---------------------------------------------------------------- a stream
+    def _chunk(self, choices, **extra) -> bytes:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.req.model, "choices": choices}
+        body.update(extra)
+        return sse(body)
+
+    def _piece(self, text=None, reason=None, role=False) -> dict:
+        if self.chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+
+    def start(self) -> bytes:
+        """The first event: chat streams open with the assistant's role (as OpenAI's do)."""
+        return self._chunk([self._piece("", role=True)]) if self.chat else b""
+
+    def event(self, ev) -> bytes:
+        """Server-sent events for one batcher event (``token``, ``emit``, ``restart``, ``done``)."""
+        kind = ev.get("event")
+        if kind == "token":
+            return self._token(ev)
+        if kind == "emit":
+            return self._chunk([], **{EXT: {"emit": {"step": ev["step"], "value": to_json(ev["value"])}}})
+        if kind == "restart":
+            # the batch failed and this request runs again alone: its replayed tokens are checked against
+            # what was already sent (greedy decoding repeats them) and not sent twice
+            self.replay = (list(self.tokens), 0)
+            return b""
+        if kind == "done":
+            return self._done(ev["result"])
+        return b""
+
+    def _token(self, ev) -> bytes:
+        if self.replay is not None:
+            before, i = self.replay
+            if i < len(before):
+                if before[i] != ev["token"]:
+                    raise RuntimeError("this request's shared run failed and its rerun generated other tokens "
+                                       "than the ones already streamed; retry the request")
+                self.replay = (before, i + 1)
+                return b""
+            self.replay = None
+        self.tokens.append(ev["token"])
+        if self.stopped:
+            return b""
+        self.text += ev["text"]
+        return self._send(final=False)
+
+    def _send(self, final: bool) -> bytes:
+        """Send what is safe: never a stop string, nor (until the end) a tail that may begin one."""
+        visible, hit = cut_at_stop(self.text, self.req.stop)
+        if hit:
+            self.stopped = True
+        elif not final:
+            hold = 0
+            for s in self.req.stop:
+                for k in range(min(len(s) - 1, len(visible)), 0, -1):
+                    if visible.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            visible = visible[:len(visible) - hold]
+        if not visible.startswith(self.sent) or len(visible) == len(self.sent):
+            return b""
+        piece, self.sent = visible[len(self.sent):], visible
+        return self._chunk([self._piece(piece)])
+
+    def _done(self, g) -> bytes:
+        out = []
+        if not self.tokens and not self.text:
+            self.tokens = list(g.tokens)   # no token events came (an engine that does not stream tokens)
+        self.text = g.text if g.text.startswith(self.text) else self.text
+        out.append(self._send(final=True))
+        tokens = list(g.tokens)
+        _, hit = cut_at_stop(g.text, self.req.stop)
+        extra = {EXT: self.ext(g)} if self.extension else {}
+        out.append(self._chunk([self._piece(None if self.chat else "", reason=self.finish_reason(tokens, hit))],
+                               **extra))
+        if self.req.include_usage:
+            out.append(self._chunk([], usage=self.usage(len(tokens))))
+        out.append(DONE)
+        return b"".join(out)
+
+    def error(self, body: dict) -> bytes:
+        """An error in the middle of a stream (the ``openai`` client raises it as an ``APIError``)."""
+        return sse(body) + DONE
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+
+
+# --------------------------------------------------------------------------- errors and models
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          422: "intervention_error", 499: "client_disconnect", 503: "overloaded_error", 504: "timeout_error"}
+
+
+def error_body(status: int, error: dict, param=None, code=None) -> dict:
+    """OpenAI's error shape for one of the server's errors (its ``type``, ``message``, ``traceback``,
+    ``notes``, ``kind``); the server's details stay in an ``asyncinterp`` field."""
+    return {"error": {"message": error.get("message", ""), "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": code or error.get("kind"),
+                      EXT: {k: error[k] for k in ("type", "traceback", "notes", "kind") if k in error}}}
+
+
+def models_list(name: str, created: int) -> dict:
+    """The ``GET /v1/models`` answer: the one served model."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                        "owned_by": "asyncinterp"}]}
+
+
+def eos_ids(model) -> set:
+    """End-of-sequence token ids of a language model (its generation config's and its tokenizer's)."""
+    ids = set()
+    cfg = getattr(getattr(model, "module", None), "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    for value in (eos, getattr(getattr(model, "tokenizer", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
