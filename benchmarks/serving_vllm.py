@@ -192,7 +192,7 @@ async def probe(port, args, extra=None):
     url = f"http://127.0.0.1:{port}/v1/completions"
     async with httpx.AsyncClient(timeout=600) as client:
         await one_request(client, url, PROMPTS[1], 4, extra)
-        body = {"model": "model", "prompt": PROMPTS[1], "max_tokens": args.long_tokens, "temperature": 0.0,
+        body = {"model": "model", "prompt": PROMPTS[4], "max_tokens": args.long_tokens, "temperature": 0.0,
                 "stream": True}
         if extra:
             body.update(extra)
