@@ -630,8 +630,20 @@ def test_vllm_engine_behind_the_openai_endpoints(vllm_live):
         assert chat["text"] == vm.generate(ids, max_new_tokens=4).text
 
 
+EMIT_CODE = """
+async def tell(m):
+    from asyncinterp.serve import emit
+    async for step in m.steps():
+        h = await m.model.layers[0].hidden
+        h[:, -1] += 2.0
+        emit(int((await m.logits)[0].argmax()))
+    return "ok"
+"""
+
+
 @pytest.mark.vllm
-def test_cli_serves_a_vllm_engine(vllm_dir):
+def test_cli_serves_a_vllm_engine_under_tensor_parallel_2(vllm_dir):
+    """The real command line, with two tensor-parallel workers: endpoints, streaming, emits from the workers."""
     import os
     import subprocess
     import sys
@@ -644,7 +656,7 @@ def test_cli_serves_a_vllm_engine(vllm_dir):
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.serve.cli", vllm_dir, "--engine", "vllm",
                              "--port", str(port), "--api-key", KEY, "--served-model-name", "tiny",
-                             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"],
+                             "--tensor-parallel-size", "2", "--allow-code", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -669,6 +681,14 @@ def test_cli_serves_a_vllm_engine(vllm_dir):
             got = collect(c.completions.create(model="tiny", prompt="The quick brown fox jumps", max_tokens=4,
                                                temperature=0, stream=True))
             assert got["text"] == resp.choices[0].text
+            body = {"asyncinterp": {"code": EMIT_CODE}}
+            steered = c.completions.create(model="tiny", prompt="The quick brown fox jumps", max_tokens=5,
+                                           temperature=0, extra_body=body)
+            live = collect(c.completions.create(model="tiny", prompt="The quick brown fox jumps", max_tokens=5,
+                                                temperature=0, stream=True, extra_body=body))
+            assert ext(steered)["result"] == "ok" and live["final"]["result"] == "ok"
+            assert [e["value"] for e in live["emits"]] == [e["value"] for e in ext(steered)["emitted"]]
+            assert len(live["emits"]) == 5 and live["text"] == steered.choices[0].text
     finally:
         proc.terminate()
         try:
