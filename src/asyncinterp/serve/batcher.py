@@ -135,10 +135,10 @@ class Meter:
 
     def resume(self) -> None:
         if self.depth == 0:
+            if self.ledger is not None:
+                self.ledger.enter()          # first: the ledger's slice contains this meter's
             self._w0 = time.perf_counter()
             self._c0 = time.thread_time()
-            if self.ledger is not None:
-                self.ledger.enter()
         self.depth += 1
 
     def pause(self) -> None:
