@@ -189,7 +189,8 @@ def assert_parity(got, want, what):
     for i, (step, ref) in enumerate(zip(got["steps"], want["steps"])):
         assert step.keys() == ref.keys()
         for k in ref:
-            torch.testing.assert_close(step[k], ref[k], rtol=1e-4, atol=1e-4, msg=lambda s, k=k: f"{what} step {i} {k}: {s}")
+            torch.testing.assert_close(step[k], ref[k], rtol=1e-4, atol=1e-4,
+                                       msg=lambda s, k=k, i=i: f"{what} step {i} {k}: {s}")
 
 
 @pytest.fixture(scope="module")
