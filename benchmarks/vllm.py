@@ -17,6 +17,9 @@ Cases (same prompts, greedy, ``ignore_eos`` so every request makes exactly
                      (``async for _ in m.steps(): await m.model.layers[L].output``);
 * ``ai: hidden``  -- each invoke reads the residual stream ``layers[L].hidden``
                      (folds ``residual`` into ``mlp_out``: two extra tensor ops);
+* ``ai: resid_mid`` -- each invoke reads the semantic point ``layers[L].resid_mid`` (the
+                     residual stream between attention and MLP: the post-attention norm's
+                     ``(x, residual)`` inputs, folded) at every step;
 * ``ai: steer``   -- each invoke adds a vector to ``layers[L].hidden`` at every step.
 
 Timing: warm-up, then rounds; in every round each case runs once, in a
@@ -27,7 +30,7 @@ vLLM's CPU threads are pinned to cores and wait for each other at every op,
 so other processes on the machine make single timings vary by 10x and more;
 the best-of-rounds time is the robust number there (as ``timeit`` does), the
 medians show the spread. The load average is printed with the results.
-Target: ``ai: read`` >= 0.9x plain at batch 16.
+Targets: ``ai: read`` and ``ai: resid_mid`` >= 0.9x plain at batch 16.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def main(argv=None) -> int:
         model_dir = smollm2_dir()
         name = "SmolLM2-135M-Instruct"
 
+    load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     model = ai.VLLM(str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory_bytes=256 << 20, seed=0)
     start_s = time.perf_counter() - t0
@@ -107,6 +111,10 @@ def main(argv=None) -> int:
     async def read_hidden(m):
         async for _ in m.steps():
             await target.hidden
+
+    async def read_resid_mid(m):
+        async for _ in m.steps():
+            await m.layers[layer].resid_mid
 
     async def steer(m):
         async for _ in m.steps():
@@ -145,6 +153,7 @@ def main(argv=None) -> int:
         "ai: none": ai_run(None),
         "ai: read": ai_run(read),
         "ai: hidden": ai_run(read_hidden),
+        "ai: resid_mid": ai_run(read_resid_mid),
         "ai: steer": ai_run(steer),
     }
     expected = ns.batch * ns.tokens
@@ -194,7 +203,7 @@ def main(argv=None) -> int:
         "model": name, "batch": ns.batch, "new_tokens": ns.tokens, "layer": layer, "rounds": ns.rounds,
         "engine_start_s": round(start_s, 1), "python": platform.python_version(), "torch": torch.__version__,
         "vllm": __import__("vllm").__version__, "cpus": os.cpu_count(),
-        "load_avg_1min_at_end": load,
+        "load_avg_1min_at_start": load_start, "load_avg_1min_at_end": load,
     }
     table = _table(rows, meta)
     print(table)
@@ -207,13 +216,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def _load(x) -> str:
+    return "?" if x is None else f"{x:.2f}"
+
+
 def _table(rows, meta) -> str:
     lines = [
         f"vLLM generation throughput: {meta['model']}, batch {meta['batch']}, {meta['new_tokens']} new tokens "
         f"per request, layer {meta['layer']}, {meta['rounds']} rounds (vllm {meta['vllm']}, torch {meta['torch']}, "
         f"{meta['cpus']} CPUs)",
         "",
-        f"load average at the end: {meta['load_avg_1min_at_end']}",
+        f"load average (1 min) at the start: {_load(meta.get('load_avg_1min_at_start'))}, at the end: "
+        f"{_load(meta['load_avg_1min_at_end'])}",
         "",
         "| case | best s / generate | tokens/s (best) | throughput vs plain (best) | median s | "
         "paired ratio (median, min-max) | process CPU time vs plain (median) |",

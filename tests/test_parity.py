@@ -5,7 +5,11 @@
   logits exactly as the equivalent hand-written torch hook does; per invoke with padding;
   free when unused.
 * vLLM (marked ``vllm``): the same reads and edits on the same weights (tiny Llama) give the
-  same values (1e-4): every semantic point, attn.pattern in the prompt step and at decode steps.
+  same values (1e-4): every semantic point at every layer, an in-place edit and a replacement at
+  every writable point, attn.pattern in the prompt step and at decode steps.
+
+The interventions run on vLLM come from ``parity_helpers.py``; the same list runs on SmolLM2
+(``test_parity_smollm2.py``) and under tensor parallel 2 (``test_vllm_tp.py``).
 """
 
 import pytest
@@ -15,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import asyncinterp as ai
 from asyncinterp.hooks.semantic import PointUnavailableError
 from asyncinterp.kernel.errors import ReplacementError
+from parity_helpers import PROMPT, VLLM_EDITS, edit_point, read_each_step, read_points
 
 LAYER = 1
 
@@ -288,10 +293,6 @@ def test_unused_semantic_points_cost_nothing():
 
 # ------------------------------------------------------------------ vLLM: same weights, same values
 
-VLLM_POINTS = ["resid_pre", "q", "k", "v", "pattern", "resid_mid", "mlp.pre", "mlp.post", "resid_post"]  # firing order
-VLLM_EDITS = [p for p in VLLM_POINTS if p != "pattern"]
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from vllm_helpers import make_tiny_dir, require_vllm
@@ -308,45 +309,10 @@ def engines(tiny_dir):
     vm.close()
 
 
-def _at(m, layer, name):
-    if name.startswith("mlp."):
-        return getattr(m.layers[layer].mlp, name[4:])
-    if name in ("q", "k", "v", "pattern"):
-        return getattr(m.layers[layer].attn, name)
-    return getattr(m.layers[layer], name)
-
-
-def _read_all(n_layers):
-    async def fn(m):
-        out = {}
-        for i in range(n_layers):
-            for name in VLLM_POINTS:
-                out[f"{i}.{name}"] = (await _at(m, i, name)).clone()
-        out["logits"] = (await m.logits).clone()
-        return out
-    return fn
-
-
-def _edit(layer, name, seed, by="inplace"):
-    async def fn(m):
-        point = _at(m, layer, name)
-        x = await point
-        delta = 0.5 * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
-        if by == "inplace":
-            x += delta
-        else:
-            point.replace(x + delta)
-        return (await m.logits).clone()
-    return fn
-
-
-PROMPT = "Once upon a time in a land far away"
-
-
 @pytest.mark.vllm
 def test_vllm_reads_equal_transformers(engines):
     lm, vm = engines
-    fn = _read_all(len(vm.layers))
+    fn = read_points(len(vm.layers))
     with torch.no_grad():
         hf = lm.trace(PROMPT, fn)
     vl = vm.trace(PROMPT, fn)
@@ -364,24 +330,12 @@ def test_vllm_reads_equal_transformers(engines):
 @pytest.mark.parametrize("name", VLLM_EDITS)
 def test_vllm_edits_move_logits_like_transformers(engines, name, by):
     lm, vm = engines
-    if by == "replace" and name in ("resid_pre", "resid_mid", "mlp.pre", "mlp.post", "resid_post"):
-        pytest.skip("replacements of these points are covered by test_vllm_skip.py and the in-place edits")
     with torch.no_grad():
-        clean = lm.trace(PROMPT, _read_all(0))["logits"]
-        hf = lm.trace(PROMPT, _edit(1, name, 5, by))
-    vl = vm.trace(PROMPT, _edit(1, name, 5, by))
+        clean = lm.trace(PROMPT, read_points(0))["logits"]
+        hf = lm.trace(PROMPT, edit_point(1, name, 5, by))
+    vl = vm.trace(PROMPT, edit_point(1, name, 5, by))
     assert (hf - clean).abs().max() > 1e-3
     torch.testing.assert_close(vl, hf, rtol=1e-4, atol=1e-4)
-
-
-def _pattern_each_step(layer):
-    async def fn(m):
-        out = []
-        async for _ in m.steps():
-            q = (await m.layers[layer].attn.q).clone()
-            out.append(((await m.layers[layer].attn.pattern).clone(), q))
-        return out
-    return fn
 
 
 @pytest.mark.vllm
@@ -389,14 +343,15 @@ def test_vllm_pattern_in_generation_equals_transformers(engines):
     """Decode steps: the pattern covers the keys of earlier steps (kept by the point from step 0)."""
     lm, vm = engines
     with torch.no_grad():
-        hf = lm.generate(PROMPT, _pattern_each_step(1), max_new_tokens=4)
-    vl = vm.generate(PROMPT, _pattern_each_step(1), max_new_tokens=4)
+        hf = lm.generate(PROMPT, read_each_step(1, ("q", "pattern")), max_new_tokens=4)
+    vl = vm.generate(PROMPT, read_each_step(1, ("q", "pattern")), max_new_tokens=4)
     assert vl.tokens.tolist() == hf.tokens.tolist()[-4:]
     n = len(vm.tokenizer(PROMPT).input_ids)
-    assert [p.shape for p, _ in vl.result] == [(1, 2, n, n)] + [(1, 2, 1, n + i) for i in range(1, 4)]
-    for (p, q), (hp, hq) in zip(vl.result, hf.result):
-        torch.testing.assert_close(q, hq, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(p, hp, rtol=1e-4, atol=1e-4)
+    assert [s["pattern"].shape for s in vl.result] == [(1, 2, n, n)] + [(1, 2, 1, n + i) for i in range(1, 4)]
+    for step, ref in zip(vl.result, hf.result):
+        assert step.keys() == ref.keys()
+        for k in step:
+            torch.testing.assert_close(step[k], ref[k], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.vllm

@@ -4,7 +4,10 @@ The same interventions run in both: reads of replicated points (layer
 outputs, logits), of sharded ones (column-parallel outputs, row-parallel
 inputs, the attention op's output, the activation, attn.q/k/v and attn.pattern),
 writes to both kinds (a replicated key/value head through attn.k), and a
-decoder-layer skip with the residual stream.
+decoder-layer skip with the residual stream. The parity suite's interventions
+(``parity_helpers.py``: every semantic point read at every layer, an in-place
+edit and a replacement at every writable point, the points at every generation
+step) give the same values at TP=1, at TP=2 and on transformers.
 Under TP=2 they run in every worker; sharded values are gathered for the
 tasks and re-sharded after, so nothing in the intervention code changes.
 """
@@ -15,7 +18,8 @@ import torch
 
 import asyncinterp as ai
 from asyncinterp.serve import Batcher, emit
-from vllm_helpers import ENGINE, make_tiny_dir, require_vllm
+from parity_helpers import PROMPT, VLLM_EDITS, VLLM_POINTS, edit_point, read_each_step, read_points
+from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -145,6 +149,50 @@ def stream_scenario(model):
             "served_tokens": served[-1]["result"].tokens}
 
 
+PARITY_EDITS = [(name, by) for name in VLLM_EDITS for by in ("inplace", "replace")]
+
+
+def parity_scenario(model):
+    """The parity suite on one engine: reads of every semantic point at every layer, edits at layer 0
+    (all in one batch: each request makes one edit, the edited values flow through layer 1's sharded
+    computation), and the points of layer 1 at every step of a generation."""
+    n = len(model.layers)
+    reads = model.trace(PROMPT, read_points(n))
+    with model.trace() as run:
+        invs = [run.invoke(PROMPT, edit_point(0, name, 5 + i, by)) for i, (name, by) in enumerate(PARITY_EDITS)]
+    gen = model.generate(PROMPT, read_each_step(1, VLLM_POINTS), max_new_tokens=3)
+    return {"reads": reads, "edits": [inv.result for inv in invs], "steps": gen.result, "tokens": gen.tokens.tolist(),
+            "n_layers": n}
+
+
+def parity_reference(path, n_layers):
+    """The same interventions on transformers, over the same weights."""
+    from transformers import AutoTokenizer
+    lm = ai.LanguageModel(hf_model(path), AutoTokenizer.from_pretrained(path))
+    with torch.no_grad():
+        reads = lm.trace(PROMPT, read_points(n_layers))
+        edits = [lm.trace(PROMPT, edit_point(0, name, 5 + i, by)) for i, (name, by) in enumerate(PARITY_EDITS)]
+        gen = lm.generate(PROMPT, read_each_step(1, VLLM_POINTS), max_new_tokens=3)
+    return {"reads": reads, "edits": edits, "steps": gen.result, "tokens": gen.tokens.tolist()[-3:]}
+
+
+def assert_parity(got, want, what):
+    assert got["tokens"] == want["tokens"], what
+    assert got["reads"].keys() == want["reads"].keys()
+    for k, ref in want["reads"].items():
+        torch.testing.assert_close(got["reads"][k], ref, rtol=1e-4, atol=1e-4, msg=lambda s, k=k: f"{what} {k}: {s}")
+    clean = want["reads"]["logits"]
+    for (name, by), x, ref in zip(PARITY_EDITS, got["edits"], want["edits"]):
+        assert (ref - clean).abs().max() > 1e-3, (name, by)             # the edit moves the logits
+        torch.testing.assert_close(x, ref, rtol=1e-4, atol=1e-4, msg=lambda s, n=name, b=by: f"{what} {n} {b}: {s}")
+    assert len(got["steps"]) == len(want["steps"]) == 3
+    for i, (step, ref) in enumerate(zip(got["steps"], want["steps"])):
+        assert step.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(step[k], ref[k], rtol=1e-4, atol=1e-4,
+                                       msg=lambda s, k=k, i=i: f"{what} step {i} {k}: {s}")
+
+
 @pytest.fixture(scope="module")
 def tp_dir(tmp_path_factory):
     # 2 query heads, 1 key/value head: under TP=2 the kv head is replicated on both ranks
@@ -161,10 +209,15 @@ def test_tp2_equals_tp1(tp_dir):
             assert model.tp == tp
             assert "qkv_proj" in repr(model.model.layers[0].self_attn)   # the driver mirrors the tree
             results[tp] = scenario(model)
+            results[tp]["parity"] = parity_scenario(model)
             results[tp]["stream"] = stream_scenario(model)
         finally:
             model.close()
     one, two = results[1], results[2]
+    reference = parity_reference(tp_dir, one["parity"]["n_layers"])
+    assert_parity(one["parity"], reference, "TP=1 vs transformers")
+    assert_parity(two["parity"], reference, "TP=2 vs transformers")
+    assert_parity(two["parity"], one["parity"], "TP=2 vs TP=1")
     for key in ("events", "served"):                     # same tokens and emitted values, in the same order
         for (k1, v1), (k2, v2) in zip(one["stream"][key], two["stream"][key]):
             assert k1 == k2 and (v1 == v2 or abs(v1 - v2) < 1e-3), (key, k1, v1, v2)
