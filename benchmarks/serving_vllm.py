@@ -12,9 +12,12 @@ greedy, ``max_tokens`` new tokens each). Cases:
 
 * ``vllm``           -- vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``);
 * ``ai plain``       -- ``asyncinterp serve --engine vllm``, no intervention;
-* ``ai read/step``   -- the same server, every request carrying the registered ``read``
-                        intervention in the ``asyncinterp`` extension field: it reads one
-                        layer's output at every step and returns the values.
+* ``ai read/step``   -- the same server, every request carrying an intervention in the
+                        ``asyncinterp`` extension field that reads one layer's output at
+                        every step and returns one float per step (``read_norm``, registered
+                        from benchmarks/serving_vllm_interventions.py);
+* ``ai read/step, full vectors`` -- the built-in ``read``: the same read, returning the whole
+                        576-wide vector of every step (18,432 floats of JSON per request).
 
 Reported per case: requests/s, tokens/s, time to first token p50/p95,
 latency p50/p95; and the *short-behind-long probe*: a streaming request of
@@ -121,7 +124,8 @@ def ai_server(model_dir, args, port, log_path):
            "--served-model-name", "model", "--dtype", "float32", "--seed", "0",
            "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_bytes),
            "--port", str(port), "--timeout", "600",
-           "--max-queue", "1024", "--log-level", "warning"]
+           "--max-queue", "1024", "--log-level", "warning",
+           "--interventions", os.path.join(HERE, "serving_vllm_interventions.py")]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     return Server("asyncinterp", cmd, port, "/v1/health", env=env, log_path=log_path)
 
@@ -242,7 +246,8 @@ def main():
     if model_dir is None:
         from asyncinterp.models.hf.bundled import smollm2_dir
         model_dir = str(smollm2_dir())
-    read = {"asyncinterp": {"intervention": "read", "params": {"module": args.layer, "position": -1}}}
+    read = {"asyncinterp": {"intervention": "read_norm", "params": {"module": args.layer}}}
+    read_all = {"asyncinterp": {"intervention": "read", "params": {"module": args.layer, "position": -1}}}
     logdir = os.path.join(HERE, "results", "logs")
     os.makedirs(logdir, exist_ok=True)
     rows = {}
@@ -250,7 +255,8 @@ def main():
             "max_tokens": args.max_tokens, "python": platform.python_version(), "cpus": os.cpu_count(),
             "date": _dt.datetime.now().isoformat(timespec="seconds")}
     for name, make, cases in (("vllm", vllm_server, [("vllm", None)]),
-                              ("asyncinterp", ai_server, [("ai plain", None), ("ai read/step", read)])):
+                              ("asyncinterp", ai_server, [("ai plain", None), ("ai read/step", read),
+                                                               ("ai read/step, full vectors", read_all)])):
         port = free_port()
         server = make(model_dir, args, port, os.path.join(logdir, f"serving_vllm-{name}.log"))
         try:
