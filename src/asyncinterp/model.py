@@ -10,6 +10,8 @@ override how inputs become a forward call and which layout slices the batch.
 from __future__ import annotations
 
 import threading
+from functools import partial
+from threading import get_ident
 
 from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
 from .hooks.envoy import Envoy
@@ -31,12 +33,13 @@ class _ModelLock:
         self._owner = None
 
     def acquire(self, timeout):
-        me = threading.get_ident()
+        me = get_ident()
         if self._owner == me:
             raise RuntimeError(
                 "this model is already running a trace in this thread (a trace started from inside an "
                 "intervention?); run it after the current trace ends, or use a session")
-        ok = self._lock.acquire(timeout=timeout)
+        lock = self._lock
+        ok = lock.acquire(False) or lock.acquire(True, timeout)   # uncontended: no timed wait
         if ok:
             self._owner = me
         return ok
@@ -129,14 +132,15 @@ class Model(Envoy):
 
     def _prepare(self, run):
         """Batch the invokes' inputs, set the run's layout, return the forward callable."""
-        args, kwargs, layout = batch_inputs([inv.input for inv in run.invokes])
+        invokes = run.invokes
+        args, kwargs, layout = batch_inputs([inv.input for inv in invokes])
         run.layout = layout
         module = self.module
-        extra = forward_kwargs(run.invokes)
+        extra = forward_kwargs(invokes)
         if extra:
             check_forward_kwargs(module, extra)
             kwargs = {**kwargs, **extra}
-        return lambda: module(*args, **kwargs)
+        return partial(module, *args, **kwargs)
 
     def execute(self, run):
         """Execute a built run on this model (what ``Trace.run`` and ``atrace`` call)."""

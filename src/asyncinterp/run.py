@@ -9,11 +9,14 @@ reference it took before it returns.
 
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import types
 import warnings
 import weakref
+from inspect import CO_COROUTINE
+from types import CoroutineType, FunctionType
 
 import torch
 
@@ -27,14 +30,13 @@ from .kernel.errors import (
     await_site,
 )
 from .hooks.modules import (
-    add_forward_hook,
-    add_forward_pre_hook,
+    HookSet,
     instance_forward,
     set_instance_forward,
     submodules,
     tensor_version,
 )
-from .hooks.views import Layout, check_replacement
+from .hooks.views import WHOLE_BATCH, Layout, check_replacement
 from .kernel.futures import Future
 from .kernel.scheduler import Kernel, callable_name, current_task
 from .kernel.traps import PointTrap
@@ -73,12 +75,14 @@ class Invoke:
         self.index = index
         self.input = input
         self.fns = list(fns)
-        self.kwargs = kwargs or {}
+        self.kwargs = kwargs if kwargs is not None else {}
         self.tasks = []
-        self.cancelled = False
-        self.done = False              # set when the run is over
-        self.closures = ()             # variables its interventions read, as bound when it was added
-        self.background = False        # runs beside the others (persistent edits): does not keep a generation going
+
+    # defaults, set on the instance when they change
+    cancelled = False
+    done = False              # set when the run is over
+    closures = ()             # variables its interventions read, as bound when it was added
+    background = False        # runs beside the others (persistent edits): does not keep a generation going
 
     @property
     def run(self):
@@ -185,25 +189,47 @@ class Firing:
         self.point = point
         self.value = value
         self.layout = layout
-        self.views = {}
-        self.replaced = None
+        self.views = None         # group -> its view, made on first use (none for the whole-batch layout)
+        self.replaced = None      # group -> its replacement
         self.reshaped = None      # a whole-batch replacement of another shape (opted in)
 
     def base_view(self, group):
+        """What invoke ``group`` sees of the value now (its replacement, if it made one)."""
+        replaced = self.replaced
+        if replaced is not None and group in replaced:
+            return replaced[group]
+        layout = self.layout
+        if type(layout) is Layout:   # every invoke sees the whole value: nothing to slice or cache
+            return self.value
         views = self.views
-        if group in views:
+        if views is None:
+            views = self.views = {}
+        elif group in views:
             return views[group]
-        if self.replaced and group in self.replaced:
-            return self.replaced[group]
-        v = self.layout.view(self.value, group)
-        views[group] = v
+        v = views[group] = layout.view(self.value, group)
         return v
 
     def view_for(self, task, trap):
-        v = self.base_view(task.group)
-        if trap.read is not None:
-            v = trap.read(v)
-        return v
+        """The value ``task`` is resumed with at ``trap`` (``kernel.provide``'s ``get_value``)."""
+        replaced = self.replaced
+        layout = self.layout
+        if replaced is None and type(layout) is Layout:   # one invoke (the common case): the value itself
+            v = self.value
+        else:
+            group = task.group
+            views = self.views
+            if replaced is not None and group in replaced:
+                v = replaced[group]
+            elif views is None:
+                v = layout.view(self.value, group)
+                if type(layout) is not Layout:
+                    self.views = {group: v}
+            elif group in views:
+                v = views[group]
+            else:
+                v = views[group] = layout.view(self.value, group)
+        read = trap.read
+        return v if read is None else read(v)
 
     def replace(self, group, trap, new, shape_change: bool = False, dtype_change: bool = False):
         old = self.base_view(group)
@@ -217,7 +243,8 @@ class Firing:
         if self.replaced is None:
             self.replaced = {}
         self.replaced[group] = new
-        self.views.pop(group, None)
+        if self.views:
+            self.views.pop(group, None)
         if shape_change:
             self.reshaped = new
 
@@ -237,16 +264,18 @@ class Run:
     the vLLM worker and serving use. See docs/design.md, "The run interface".
     """
 
+    #: invokes that called m.stop() under stop_per_invoke (a set once one has)
+    stopped_invokes = frozenset()
+
     def __init__(self, model, layout: Layout | None = None, on_error: str = "stop", stop_per_invoke: bool = False):
-        if on_error not in ("stop", "continue"):
+        if on_error != "stop" and on_error != "continue":
             raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
                              f"(it fails only its own invoke), got {on_error!r}")
+        # Containers an empty run does not need are made on first use (None until then).
         self.model = model                 # the root envoy (a Model)
-        self.layout = layout or Layout()
+        self.layout = layout or WHOLE_BATCH
         self.on_error = on_error
         self.stop_per_invoke = stop_per_invoke   # m.stop() ends only the caller's invoke (serving)
-        self.stopped_invokes = set()       # invokes that called m.stop() under stop_per_invoke
-        self.context = {}                  # values for this run's interventions and tools (serving: requests)
         self.deferred = False              # invokes are added now and run later (`with model.trace() as run`)
         self.stepping = False              # the run has steps (generation): leaving m.steps() early may end it
         self.invokes = []
@@ -256,34 +285,52 @@ class Run:
         self.stopped = False
         self.cancelled = False
         self.cancellable = False           # set by the aio layer: add cancellation checkpoints
-        self._handles = []
-        self._installed = set()
-        self._kept = set()
-        self._active = {}
-        self._skips = {}
+        self._context = None               # values for this run's interventions and tools (``context``)
+        self._handles = []                 # what cleanup removes, in reverse order
+        self._hooks = None                 # the module hooks this run wrote (a HookSet, also in _handles)
+        self._installed = _NO_POINTS       # point keys hooked in this run (a set once one is)
+        self._kept = _NO_POINTS            # modules given a keep-alive pre-hook (a set once one is)
+        self._active = {}                  # point key -> its Firing in progress
+        self._skips = None                 # module -> [(invoke, value, what)] replacing its next output
         self._adhoc = 0
-        self._taps = {}                    # point key -> callbacks seeing each firing's final value
-        self._pending_skips = []           # forward swaps of skip(), to check they were applied
+        self._taps = None                  # point key -> callbacks seeing each firing's final value
+        self._pending_skips = None         # forward swaps of skip(), to check they were applied
         self._attached_caller = None       # the invoke calling an attached module right now
-        self._state = {}                   # owner -> per-run state (Run.state)
+        self._state = None                 # owner -> per-run state (Run.state)
+
+    @property
+    def context(self) -> dict:
+        """Values for this run's interventions and tools (serving: its requests); made on first use."""
+        context = self._context
+        if context is None:
+            context = self._context = {}
+        return context
+
+    @context.setter
+    def context(self, value: dict) -> None:
+        self._context = value
 
     # ------------------------------------------------------------- building
     def invoke(self, input=None, *fns, **kwargs) -> Invoke:
         """Add an input (``None``: the invoke sees the whole batch) and its interventions."""
-        if callable(input) and not fns and not isinstance(input, torch.Tensor) and is_async_fn(input):
+        if not fns and type(input) is not torch.Tensor and callable(input) and not isinstance(input, torch.Tensor) \
+                and is_async_fn(input):
             input, fns = None, (input,)
         for fn in fns:
-            check_intervention(fn)
-        for name, v in kwargs.items() if kwargs else ():
-            if inspect.iscoroutine(v) or (callable(v) and is_async_fn(v)):
-                raise TypeError(
-                    f"keyword argument {name}={callable_name(v)} looks like an intervention, but keyword arguments go "
-                    "to the model's forward; pass interventions positionally: model.trace(x, fn) / "
-                    "run.invoke(x, fn)")
-        inv = Invoke(self, len(self.invokes), input, fns, kwargs)
+            if type(fn) is not FunctionType or not fn.__code__.co_flags & CO_COROUTINE:   # else: an `async def`
+                check_intervention(fn)
+        if kwargs:
+            for name, v in kwargs.items():
+                if inspect.iscoroutine(v) or (callable(v) and is_async_fn(v)):
+                    raise TypeError(
+                        f"keyword argument {name}={callable_name(v)} looks like an intervention, but keyword arguments "
+                        "go to the model's forward; pass interventions positionally: model.trace(x, fn) / "
+                        "run.invoke(x, fn)")
+        invokes = self.invokes
+        inv = Invoke(self, len(invokes), input, fns, kwargs)
         if self.deferred:
             inv.closures = _bound_names(fns[0]) if len(fns) == 1 else [c for fn in fns for c in _bound_names(fn)]
-        self.invokes.append(inv)
+        invokes.append(inv)
         return inv
 
     # ------------------------------------------------ run interface: points
@@ -292,31 +339,45 @@ class Run:
         if trap.key not in self._installed:   # a module point already hooked in this run: nothing to do
             trap.activate_in(self, task)
 
+    def _hook_set(self) -> HookSet:
+        """The module hooks of this run (made, with the sets that track them, by the first hook)."""
+        hooks = self._hooks
+        if hooks is None:
+            hooks = self._hooks = HookSet()
+            self._installed = set()
+            self._kept = set()
+            self._handles.append(hooks)
+        return hooks
+
     def install_point(self, point) -> None:
         """Install the torch hook of a module point (base ``.output`` / ``.inputs``); idempotent."""
         if point in self._installed:
             return
+        hooks = self._hooks
+        if hooks is None:
+            hooks = self._hook_set()
         envoy = point.envoy
-        module = envoy.module
         if point.base_kind == "output":
             hook = self.output_hook(point)
+            if envoy.attached:
+                hook = self._for_invoke(hook, envoy.invoke)
+            hooks.forward(envoy.module, hook)
         else:
             hook = self.input_hook(point)
-        if envoy.attached:
-            hook = self._for_invoke(hook, envoy.invoke)
-        if point.base_kind == "output":
-            h = add_forward_hook(module, hook)
-        else:
-            h = add_forward_pre_hook(module, hook, with_kwargs=True)
-        self._handles.append(h)
+            if envoy.attached:
+                hook = self._for_invoke(hook, envoy.invoke)
+            hooks.pre(envoy.module, hook, True)
         self._installed.add(point)
-        self.keep_ancestors(envoy)
+        parent = envoy.parent
+        if parent is not None and (parent.module not in self._kept or self.cancellable):
+            self.keep_ancestors(envoy)
 
     def keep_alive(self, module) -> None:
         """Make ``module`` take torch's hooked path in this run (a no-op pre-hook, also the cancel checkpoint)."""
         if module not in self._kept:
+            hooks = self._hook_set()
             self._kept.add(module)
-            self._handles.append(add_forward_pre_hook(module, self._keepalive))
+            hooks.pre(module, self._keepalive)
 
     def keep_ancestors(self, envoy) -> None:
         """``keep_alive`` every ancestor of ``envoy``.
@@ -355,10 +416,12 @@ class Run:
         order = self.model.call_order
         if order is None:
             return False
-        target, now = trap.position, current_point.position
-        if target is None or now is None:
+        index = order.index   # (module, kind) -> its place in the pass
+        target = index.get(trap.position)
+        if target is None:
             return False
-        return order.already_ran(target[0], target[1], now[0], now[1])
+        now = index.get(current_point.position)
+        return now is not None and target < now
 
     # --------------------------------------------- run interface: lifetime
     def on_cleanup(self, handle) -> None:
@@ -367,9 +430,12 @@ class Run:
 
     def state(self, owner, factory=dict):
         """Per-run storage of ``owner`` (a class, function, module or object), made by ``factory()`` on first use."""
-        st = self._state.get(owner)
+        states = self._state
+        if states is None:
+            states = self._state = {}
+        st = states.get(owner)
         if st is None:
-            st = self._state[owner] = factory()
+            st = states[owner] = factory()
         return st
 
     # ---------------------------------------------- run interface: firings
@@ -409,12 +475,25 @@ class Run:
         def hook(module, args, output):
             if self._adhoc:
                 return None
-            skips = self._skips.pop(module, None)
             firing = Firing(point, output, self.layout)
-            if skips:
-                for group, value, _ in skips:
-                    firing.replace(group, point, value)
-            if self._deliver(point, firing):
+            if self._skips:
+                skips = self._skips.pop(module, None)
+                if skips:
+                    for group, value, _ in skips:
+                        firing.replace(group, point, value)
+            # what _deliver does, inline (this runs for every firing)
+            kernel = self.kernel
+            active = self._active
+            prev = active.get(point)
+            active[point] = firing
+            try:
+                kernel.provide(point, firing.view_for)
+            finally:
+                if prev is None:
+                    del active[point]
+                else:
+                    active[point] = prev
+            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
                 raise StopForward()
             result = firing.result() if firing.replaced else None
             if self._taps:
@@ -447,7 +526,10 @@ class Run:
         activates the point like an await would.
         """
         self.activate(point, None)
-        self._taps.setdefault(point.key, []).append(callback)
+        taps = self._taps
+        if taps is None:
+            taps = self._taps = {}
+        taps.setdefault(point.key, []).append(callback)
 
     def fire(self, point, value, interrupt: bool = True):
         """Deliver ``value`` at an extension point (gradient, source point) to its waiting tasks, then its taps.
@@ -502,7 +584,7 @@ class Run:
                 "there is nothing left to skip. Call skip before the module runs, e.g. right after awaiting "
                 "a point of an earlier module, or at the start of the intervention")
         where = await_site(task.coro)
-        if not at_input and self.layout.covers_all(task.group) and module not in self._skips:
+        if not at_input and self.layout.covers_all(task.group) and not (self._skips and module in self._skips):
             restore = _ForwardRestore(module, instance_forward(module), f"{envoy.path}.skip(...) at {where}")
 
             def skipped_forward(*args, **kwargs):
@@ -511,8 +593,12 @@ class Run:
                 return value
             set_instance_forward(module, skipped_forward)
             self._handles.append(restore)
+            if self._pending_skips is None:
+                self._pending_skips = []
             self._pending_skips.append(restore)
         else:
+            if self._skips is None:
+                self._skips = {}
             self._skips.setdefault(module, []).append((task.group, value, f"{envoy.path}.skip(...) at {where}"))
             self.activate(output, task)
 
@@ -580,6 +666,8 @@ class Run:
         if invoke is None:
             self.kernel.stop_requested = True
         else:
+            if type(self.stopped_invokes) is not set:
+                self.stopped_invokes = set()
             self.stopped_invokes.add(invoke)
             self.kernel.cancel_group(invoke)
 
@@ -608,7 +696,7 @@ class Run:
                 self.begin_step()
             calls[0] += 1
             return None
-        self._handles.append(add_forward_pre_hook(module, pre, with_kwargs=True))
+        self._hook_set().pre(module, pre, True)
         self._kept.add(module)
 
     def begin_step(self, active=None) -> None:
@@ -634,32 +722,35 @@ class Run:
         (vLLM's worker) call it, then ``begin_step``/``end_invoke``, then
         ``finish`` and ``cleanup``.
         """
-        for inv in self.invokes:
-            if inv.closures:
-                _check_closures(inv)
+        invokes = self.invokes
+        if self.deferred:
+            for inv in invokes:
+                if inv.closures:
+                    _check_closures(inv)
         kernel = self.kernel = Kernel(self, self.on_error)
         model = self.model
-        for inv in self.invokes:
+        for inv in invokes:
             for fn in inv.fns:
                 coro = fn(model)
-                if not inspect.iscoroutine(coro):
+                if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):
                     raise TypeError(
                         f"{callable_name(fn)} returned {type(coro).__name__}, not a coroutine: interventions "
                         "must be `async def` functions taking the model envoy")
-                inv.tasks.append(kernel.spawn(coro, inv.index, callable_name(fn)))
+                inv.tasks.append(kernel.spawn(coro, inv.index, fn))   # the task is named after fn (when asked)
             if inv.cancelled:
                 kernel.cancel_group(inv.index)
         if kernel.cancel_requests:
             kernel.apply_cancels()
         kernel.drain()
-        if kernel.interrupted:
-            raise StopForward()
+        if kernel.failures or kernel.stop_requested:
+            if kernel.interrupted:
+                raise StopForward()
 
     def execute(self, forward) -> None:
         """Start the tasks, call ``forward()`` and finish the kernel. Always cleans up."""
         model = self.model
         lock = model.run_lock
-        if not lock.acquire(timeout=model.lock_timeout):
+        if not lock.acquire(model.lock_timeout):
             raise RuntimeError(
                 f"the model is busy with another run for more than {model.lock_timeout} s; runs on one model "
                 "execute one at a time (use a serve.Batcher to share forwards between concurrent requests)")
@@ -694,9 +785,10 @@ class Run:
         self.finished()
 
     def _check_skips(self) -> None:
-        missed = [what for entries in self._skips.values() for _, _, what in entries]
-        missed += [r.what for r in self._pending_skips if not r.applied]
-        self._pending_skips.clear()
+        missed = [what for entries in self._skips.values() for _, _, what in entries] if self._skips else []
+        if self._pending_skips:
+            missed += [r.what for r in self._pending_skips if not r.applied]
+            self._pending_skips.clear()
         for what in missed:
             self.kernel.failures.append(MissedHookPoint(
                 f"{what} was never applied: the module did not run again after it in this run. Call skip "
@@ -709,9 +801,10 @@ class Run:
         for inv in self.invokes:
             inv.finish()
             for task in inv.tasks:
-                if task.result is not None and task.done and not task.closed and task.exc is None \
-                        and _forgot_await(task.result):
-                    task.exc = _forgot_await_error(task, task.result)
+                result = task.result
+                if result is not None and type(result) not in _PLAIN_RESULTS and task.done and not task.closed \
+                        and task.exc is None and _forgot_await(result):
+                    task.exc = _forgot_await_error(task, result)
                     if kernel is not None:
                         kernel.failures.append(task.exc)
         failures = kernel.failures if kernel is not None else ()
@@ -729,11 +822,11 @@ class Run:
             for h in reversed(handles):
                 h.remove()
             handles.clear()
-            self._installed.clear()
-            self._kept.clear()
-        for container in (self._active, self._taps, self._skips, self._pending_skips, self._state):
-            if container:
-                container.clear()
+            self._hooks = None
+            self._installed = self._kept = _NO_POINTS
+        if self._active:
+            self._active.clear()
+        self._taps = self._skips = self._pending_skips = self._state = None
 
     def _raise(self, failures):
         if len(failures) == 1:
@@ -750,13 +843,18 @@ def _bound_names(fn):
     hold modules, classes and functions are left out (rebinding those is not
     the loop-variable mistake this guards against).
     """
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    names = _global_names(code)
+    if type(fn) is FunctionType:
+        code = fn.__code__
+    else:
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return ()
+    names = _names_of_code.get(code)
+    if names is None:
+        names = _global_names(code)
     if not names and not code.co_freevars:
         return ()
     out = []
@@ -776,12 +874,14 @@ def _bound_names(fn):
 
 
 _names_of_code = {}   # code object -> the global names it (or its nested code) reads (code objects are few)
+_GLOBAL_LOADS = frozenset(("LOAD_GLOBAL", "LOAD_NAME"))
 
 
 def _global_names(code):
+    """The global names ``code`` (or code nested in it) reads: its ``LOAD_GLOBAL``s, not its attribute names."""
     names = _names_of_code.get(code)
     if names is None:
-        found = set(code.co_names)
+        found = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_LOADS}
         for const in code.co_consts:
             if hasattr(const, "co_names"):   # comprehensions, nested functions
                 found.update(_global_names(const))
@@ -813,6 +913,7 @@ def _check_closures(inv) -> None:
 
 
 _UNBOUND = object()
+_NO_POINTS = frozenset()       # Run._installed / _kept until the run hooks something
 
 
 def _short(value) -> str:
@@ -826,8 +927,14 @@ def _forgot_await(value) -> bool:
     if isinstance(value, (PointTrap, Future)) or inspect.iscoroutine(value):
         return True
     if type(value) in (tuple, list):
-        return any(isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v) for v in value)
+        for v in value:
+            if type(v) not in _PLAIN_RESULTS and (isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v)):
+                return True
     return False
+
+
+#: result types that cannot be a forgotten await (checked without isinstance)
+_PLAIN_RESULTS = frozenset((torch.Tensor, int, float, bool, str, bytes, dict))
 
 
 def _forgot_await_error(task, value) -> TypeError:

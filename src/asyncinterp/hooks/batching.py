@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from .views import BatchLayout, Layout
+from .views import WHOLE_BATCH, BatchLayout
 
 
 def as_call(input):
@@ -56,12 +56,14 @@ def _combine(parts, where):
 
 def batch_inputs(inputs):
     """Combine invoke inputs (``None`` = no input) into ``(args, kwargs, layout)``."""
+    if len(inputs) == 1 and type(inputs[0]) is torch.Tensor:   # the common case: one tensor
+        return (inputs[0],), {}, WHOLE_BATCH
     given = [(i, as_call(x)) for i, x in enumerate(inputs) if x is not None]
     if not given:
         raise ValueError("no invoke has an input: give at least one invoke an input to run the model on")
     if len(given) == 1:
         args, kwargs = given[0][1]
-        return args, kwargs, Layout()
+        return args, kwargs, WHOLE_BATCH
     if all(type(x) is torch.Tensor and x.dim() for x in inputs if x is not None):
         return _batch_tensors(inputs)
     calls = [c for _, c in given]

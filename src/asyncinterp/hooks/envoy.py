@@ -72,6 +72,11 @@ class point:
     ``point(base="output", read=f, write=g)`` declares a derived point whose
     awaited value is ``f(base_value)`` and whose replacement ``v`` becomes
     ``g(v, base_value)`` at the base point.
+
+    The first read makes the envoy's :class:`HookPoint` and stores it on the
+    envoy under the same name (this is a non-data descriptor), so later reads
+    are plain attribute reads. Assignments go through ``Envoy.__setattr__``,
+    which calls :meth:`assign`.
     """
 
     def __init__(self, base: str | None = None, read=None, write=None, doc: str | None = None):
@@ -97,9 +102,11 @@ class point:
             else:
                 hp = HookPoint(envoy, self.name, getattr(envoy, self.base), self.read, self.write)
             points[self.name] = hp
+        object.__setattr__(envoy, self.name, hp)   # found on the instance from now on
         return hp
 
-    def __set__(self, envoy, value):
+    def assign(self, envoy, value):
+        """``envoy.<name> = value``: replace the point's value (inside an intervention)."""
         self.__get__(envoy).replace(value)
 
 
@@ -156,6 +163,9 @@ class Envoy:
     def reattached(self, root: "Envoy", parent: "Envoy | None") -> "Envoy":
         """A copy of this envoy (same module and path) hung under another root, with no children or points yet."""
         e = copy.copy(self)
+        cached = vars(e)   # points cached on the instance by ``point.__get__`` belong to the original
+        for name in [k for k, v in cached.items() if isinstance(v, Point) and isinstance(getattr(type(e), k, None), point)]:
+            del cached[name]
         init = object.__setattr__
         init(e, "root", e if root is None else root)
         init(e, "parent", parent)
@@ -233,7 +243,7 @@ class Envoy:
     def __setattr__(self, name, value):
         attr = getattr(type(self), name, None)
         if isinstance(attr, point):
-            attr.__set__(self, value)
+            attr.assign(self, value)
             return
         if isinstance(attr, property) and attr.fset is not None:
             attr.fset(self, value)
@@ -268,8 +278,12 @@ class Envoy:
         return len(submodules(self.module))
 
     def __iter__(self):
-        for k in list(submodules(self.module)):
-            yield self._child(k)
+        children = self._children
+        out = []
+        for k in submodules(self.module):
+            child = children.get(k)
+            out.append(child if child is not None else self._child(k))
+        return iter(out)
 
     def children(self):
         return list(self)

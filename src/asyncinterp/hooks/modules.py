@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 
-__all__ = ["DictHook", "add_forward_hook", "add_forward_pre_hook", "submodules", "instance_forward",
-           "set_instance_forward"]
+__all__ = ["HookSet", "add_forward_hook", "add_forward_pre_hook", "submodules", "instance_forward",
+           "set_instance_forward", "tensor_version"]
 
 
 def submodules(module) -> dict:
@@ -22,40 +22,56 @@ def submodules(module) -> dict:
 _hook_ids = itertools.count(-1, -1)  # negative keys: never collide with torch's own handle ids
 
 
-class DictHook:
-    """A hook written straight into a module's hook dict; ``remove()`` takes it out again."""
+class HookSet:
+    """Hooks written straight into modules' hook dicts; ``remove()`` takes them all out again (newest first).
 
-    __slots__ = ("hooks", "key", "flags")
+    One per run holds every module hook the run installs, so installing a hook
+    costs a dict write and a list append, and removing them one ``pop`` each.
+    """
 
-    def __init__(self, hooks, key, flags):
-        self.hooks = hooks
-        self.key = key
-        self.flags = flags
+    __slots__ = ("entries",)
 
-    def remove(self):
-        self.hooks.pop(self.key, None)
-        if self.flags is not None:
-            self.flags.pop(self.key, None)
+    def __init__(self):
+        self.entries = []   # (hook dict, key), in the order they were written
+
+    def forward(self, module, fn) -> None:
+        """``fn(module, args, output)`` after ``module`` runs (as ``register_forward_hook``)."""
+        key = next(_hook_ids)
+        hooks = module._forward_hooks
+        hooks[key] = fn
+        self.entries.append((hooks, key))
+
+    def pre(self, module, fn, with_kwargs: bool = False) -> None:
+        """``fn(module, args[, kwargs])`` before ``module`` runs (as ``register_forward_pre_hook``)."""
+        key = next(_hook_ids)
+        hooks = module._forward_pre_hooks
+        hooks[key] = fn
+        entries = self.entries
+        entries.append((hooks, key))
+        if with_kwargs:
+            flags = module._forward_pre_hooks_with_kwargs
+            flags[key] = True
+            entries.append((flags, key))
+
+    def remove(self) -> None:
+        entries = self.entries
+        for hooks, key in reversed(entries):
+            hooks.pop(key, None)
+        entries.clear()
 
 
-def add_forward_hook(module, fn) -> DictHook:
-    """``fn(module, args, output)`` after ``module`` runs (as ``register_forward_hook``)."""
-    key = next(_hook_ids)
-    hooks = module._forward_hooks
-    hooks[key] = fn
-    return DictHook(hooks, key, None)
+def add_forward_hook(module, fn) -> HookSet:
+    """``fn(module, args, output)`` after ``module`` runs; returns a handle whose ``remove()`` takes it out."""
+    handle = HookSet()
+    handle.forward(module, fn)
+    return handle
 
 
-def add_forward_pre_hook(module, fn, with_kwargs: bool = False) -> DictHook:
-    """``fn(module, args[, kwargs])`` before ``module`` runs (as ``register_forward_pre_hook``)."""
-    key = next(_hook_ids)
-    hooks = module._forward_pre_hooks
-    hooks[key] = fn
-    flags = None
-    if with_kwargs:
-        flags = module._forward_pre_hooks_with_kwargs
-        flags[key] = True
-    return DictHook(hooks, key, flags)
+def add_forward_pre_hook(module, fn, with_kwargs: bool = False) -> HookSet:
+    """``fn(module, args[, kwargs])`` before ``module`` runs; returns a handle whose ``remove()`` takes it out."""
+    handle = HookSet()
+    handle.pre(module, fn, with_kwargs)
+    return handle
 
 
 def instance_forward(module):

@@ -23,12 +23,12 @@ class CallOrder:
     def __init__(self):
         self.enter = {}   # module -> index
         self.exit = {}
+        self.index = {}   # (module, "inputs" | "output") -> index: a point's ``position`` looked up at once
         self.complete = False
 
     def position(self, module, kind: str):
         """Index of a point in the pass (``None`` if the module never ran)."""
-        table = self.exit if kind == "output" else self.enter
-        return table.get(module)
+        return self.index.get((module, "output" if kind == "output" else "inputs"))
 
     def already_ran(self, module, kind, current_module, current_kind) -> bool:
         """Whether point (module, kind) comes before the current point in the pass."""
@@ -72,7 +72,9 @@ class OrderRecorder:
         if self.done or id(module) not in self.members or threading.get_ident() != self.thread:
             return None
         self.counter += 1
-        self.order.enter.setdefault(module, self.counter)
+        if module not in self.order.enter:
+            self.order.enter[module] = self.counter
+            self.order.index[(module, "inputs")] = self.counter
         if module is self.root:
             self.depth += 1
         return None
@@ -81,7 +83,9 @@ class OrderRecorder:
         if self.done or id(module) not in self.members or threading.get_ident() != self.thread:
             return None
         self.counter += 1
-        self.order.exit.setdefault(module, self.counter)
+        if module not in self.order.exit:
+            self.order.exit[module] = self.counter
+            self.order.index[(module, "output")] = self.counter
         if module is self.root:
             self.depth -= 1
             if self.depth == 0:

@@ -60,14 +60,16 @@ class Layout:
         return True
 
 
+#: the layout of a run without batching (one input, or every invoke sees the whole batch); stateless, shared
+WHOLE_BATCH = Layout()
+
+
 class BatchLayout(Layout):
     """Invokes own consecutive rows of dim 0; ``spans[g]`` is ``None`` for whole-batch invokes."""
 
     def __init__(self, spans, batch_size: int):
         self.spans = [None if s is None else slice(int(s[0]), int(s[1])) for s in spans]
         self.batch_size = batch_size
-        self._whole = all(s is None for s in self.spans) or (
-            len(self.spans) == 1 and self.spans[0] == slice(0, batch_size))
 
     def covers_all(self, group) -> bool:
         span = self.spans[group]
@@ -84,9 +86,10 @@ class BatchLayout(Layout):
         span = self.spans[group]
         if span is None:
             return value
-        if type(value) is torch.Tensor:
-            idx = self.index(value, group)
-            return value if idx is None else value[idx]
+        if type(value) is torch.Tensor:   # index() inline: this runs for every invoke at every firing
+            if value.dim() == 0 or value.size(0) != self.batch_size:
+                return value
+            return value[span]
 
         def cut(t):
             idx = self.index(t, group)

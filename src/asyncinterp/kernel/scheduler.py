@@ -45,7 +45,6 @@ completes goes through ``reschedule``.
 from __future__ import annotations
 
 import threading
-from collections import deque
 
 from .errors import (
     ForeignAwaitError,
@@ -58,47 +57,73 @@ from .errors import (
 from .host import KernelHost
 from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap
 
-_local = threading.local()
+class _Running(threading.local):
+    task = None     # the task being stepped on this thread (its kernel is ``task.kernel``)
+
+
+#: per thread, the task being stepped (``running.task``); one attribute, read on every await
+running = _Running()
 
 
 def current_task():
     """The task being stepped on this thread, or ``None``."""
-    return getattr(_local, "task", None)
+    return running.task
 
 
 def current_kernel():
-    return getattr(_local, "kernel", None)
+    """The kernel of the task being stepped on this thread, or ``None``."""
+    task = running.task
+    return None if task is None else task.kernel
 
 
 class Task:
     """One intervention coroutine (or a sub-task of one) and its bookkeeping."""
 
     __slots__ = (
-        "coro", "group", "order", "name", "consumed", "step", "position",
+        "coro", "group", "order", "named", "kernel", "consumed", "step", "position",
         "waiting", "abort", "done", "closed", "result", "exc", "joiners", "parent", "observed",
         "open_loops", "watch", "last_value", "__weakref__",
     )
 
-    def __init__(self, coro, group, order, name, parent=None):
+    def __init__(self, coro, group, order, name, parent=None, kernel=None, step=0):
         self.coro = coro
         self.group = group          # the invoke this task belongs to
         self.order = order          # resume order at a shared firing
-        self.name = name
-        self.consumed = {} if parent is None else dict(parent.consumed)
-        self.step = 0 if parent is None else parent.step
-        self.position = None if parent is None else parent.position
+        self.named = name           # a name, or what to name it after (see ``name``)
+        self.kernel = kernel        # the kernel running it (dropped when the kernel closes)
+        if parent is None:
+            self.consumed = {}
+            self.step = step
+            self.position = None
+            self.observed = True
+        else:
+            self.consumed = dict(parent.consumed)
+            self.step = parent.step
+            self.position = parent.position
+            self.observed = False
         self.waiting = None         # the trap this task is parked on
         self.abort = None           # how to give that wait up: abort(kernel, task), or None
         self.done = False
         self.closed = False
         self.result = None
         self.exc = None
-        self.joiners = []
+        self.joiners = None         # tasks parked on this one (a list, made by the first join)
         self.parent = parent
-        self.observed = parent is None
         self.open_loops = 0         # step loops (m.steps()) entered and not yet ended
         self.watch = None           # host object told before/after the next resumption (watch.before(), .after(task))
         self.last_value = None      # the value of the last point this task was resumed at (task.position)
+
+    @property
+    def name(self) -> str:
+        """A readable name: the one given, else the intervention function's, else the coroutine's."""
+        named = self.named
+        if type(named) is str:
+            return named
+        return callable_name(self.coro if named is None else named)
+
+    @name.setter
+    def name(self, value) -> None:
+        self.named = value
 
     def __repr__(self):
         return f"<Task {self.name} invoke={self.group} {'done' if self.done else 'live'}>"
@@ -140,26 +165,27 @@ class Kernel:
         self.waiters = {}         # point key -> [(task, call index, trap)]
         self.step_waiters = []
         self.future_waits = {}    # task parked on a Future -> its done callback (a _FutureWait)
-        self.ready = deque()      # (task, value, exc)
+        self.ready = []           # (task, value, exc), first in first out
         self.tasks = []
         self.failures = []
         self.current_point = None
         self.finished = False
         self.stop_requested = False
         self.cancel_requests = []  # invoke groups to close at the next hook point (any thread may append)
-        self.ended = set()         # invoke groups whose run ended early (end_group)
+        self.ended = _NONE_ENDED   # invoke groups whose run ended early (end_group; a set once one has)
         self.active = None         # invoke groups taking part in the current step (None: all)
-        self._seq = 0
         self._closed = False
 
     # ------------------------------------------------------------------ tasks
     def spawn(self, coro, group, name=None, parent=None) -> Task:
-        """Register a coroutine as a task; it starts at the next ``drain``."""
-        self._seq += 1
-        task = Task(coro, group, (group, self._seq), name or callable_name(coro), parent)
-        if parent is None:
-            task.step = self.step
-        self.tasks.append(task)
+        """Register a coroutine as a task; it starts at the next ``drain``.
+
+        ``name``: a string, or an object to name the task after (the
+        intervention function); by default the coroutine's name.
+        """
+        tasks = self.tasks
+        task = Task(coro, group, (group, len(tasks) + 1), name or None, parent, self, self.step)
+        tasks.append(task)
         self.ready.append((task, None, None))
         return task
 
@@ -167,7 +193,7 @@ class Kernel:
         """Run every ready task until it parks or finishes."""
         ready = self.ready
         while ready:
-            task, value, exc = ready.popleft()
+            task, value, exc = ready.pop(0)
             if not task.done:
                 self._step(task, value, exc)
 
@@ -191,14 +217,15 @@ class Kernel:
         self._give_up(task)
         task.done = True
         task.closed = True
-        prev = _enter(self, task)
+        prev = running.task
+        running.task = task
         try:
             task.coro.close()
         except Exception as exc:  # a finally block that raised or awaited again
             exc.add_note(f"while closing intervention {task.name!r}")
             self.failures.append(exc)
         finally:
-            _leave(prev)
+            running.task = prev
 
     @property
     def interrupted(self) -> bool:
@@ -210,17 +237,43 @@ class Kernel:
         """A hook point fired: resume its waiters with ``get_value(task, trap)``."""
         if self.cancel_requests:
             self.apply_cancels()
-        n = self.fired.get(key, 0)
-        self.fired[key] = n + 1
-        entries = self.waiters.get(key)
-        if not entries:
+        fired = self.fired
+        n = fired.get(key, 0)
+        fired[key] = n + 1
+        waiters = self.waiters
+        entries = waiters.get(key)
+        if entries is None:
             return
         active = self.active
         if len(entries) == 1:
-            if entries[0][1] != n or (active is not None and entries[0][0].group not in active):
+            task, call, trap = entries[0]
+            if call != n or (active is not None and task.group not in active):
                 return
-            due = entries
-            del self.waiters[key]
+            del waiters[key]
+            if task.done or task.waiting is not trap:
+                return
+            # one waiter (the common case): resume it without the loop below
+            previous = self.current_point
+            self.current_point = trap
+            try:
+                task.waiting = None  # a point wait has no abort: nothing else to reset
+                if task.step != self.step:  # a wait carried over from a step its invoke sat out
+                    task.step = self.step
+                    task.consumed = {}
+                task.consumed[key] = n + 1
+                task.position = trap
+                try:
+                    value = get_value(task, trap)
+                except Exception as exc:  # a view that cannot be built: the task's problem
+                    self._resume(task, None, exc)
+                else:
+                    task.last_value = value
+                    self._resume(task, value, None)
+                if self.ready:
+                    self.drain()
+            finally:
+                self.current_point = previous
+            return
         else:
             due = [e for e in entries if e[1] == n and (active is None or e[0].group in active)]
             if not due:
@@ -248,10 +301,10 @@ class Kernel:
                 try:
                     value = get_value(task, trap)
                 except Exception as exc:  # a view that cannot be built: the task's problem
-                    self._step(task, None, exc)
+                    self._resume(task, None, exc)
                 else:
                     task.last_value = value
-                    self._step(task, value, None)
+                    self._resume(task, value, None)
                 if self.ready:
                     self.drain()
         finally:
@@ -285,6 +338,9 @@ class Kernel:
         if self.cancel_requests:
             self.apply_cancels()
         self.finished = True
+        if not (self.step_waiters or self.waiters or self.future_waits or self.ready):
+            self.close()   # nothing waits (the common case): nothing to wake
+            return
         for _ in range(1000):
             woke = False
             waiting, self.step_waiters = self.step_waiters, []
@@ -361,6 +417,8 @@ class Kernel:
         ``MissedHookPoint``; later awaits behave as after the end of the run.
         Call it from the model's thread, between hook firings.
         """
+        if not self.ended:
+            self.ended = set()
         self.ended.add(group)
         for _ in range(1000):
             woke = False
@@ -398,17 +456,21 @@ class Kernel:
         if self._closed:
             return
         self._closed = True
-        for task in self.tasks:
+        tasks = self.tasks
+        for task in tasks:
             if not task.done:
                 self.close_task(task)
-        self.waiters.clear()
-        self.step_waiters.clear()
-        self.future_waits.clear()
-        self.ready.clear()
+        if self.waiters:
+            self.waiters.clear()
+        if self.step_waiters:
+            self.step_waiters.clear()
+        if self.future_waits:
+            self.future_waits.clear()
+        if self.ready:
+            self.ready.clear()
         self.current_point = None
-        for task in self.tasks:
-            task.joiners = []
-            task.watch = task.last_value = None
+        for task in tasks:
+            task.joiners = task.watch = task.last_value = task.kernel = None
             if task.exc is not None and not task.observed:
                 task.observed = True
                 self.failures.append(task.exc)
@@ -463,14 +525,19 @@ class Kernel:
         return woke
 
     def _step(self, task, value, exc):
-        """Resume ``task`` and handle traps until it parks or ends."""
-        prev = _enter(self, task)
+        """Resume ``task`` (woken by a step, a future, a join, or new) and handle traps until it parks or ends."""
         if task.step != self.step:
             task.step = self.step
             task.consumed = {}
             task.position = None
         if self.current_point is not None:
             task.position = self.current_point
+        self._resume(task, value, exc)
+
+    def _resume(self, task, value, exc):
+        """Send ``value`` (or throw ``exc``) into ``task`` and handle its traps until it parks or ends."""
+        prev = running.task
+        running.task = task
         coro = task.coro
         handlers = self._trap_handlers
         watch = task.watch
@@ -510,7 +577,7 @@ class Kernel:
                     watch.after(task)
                 except Exception as err:  # noqa: BLE001 - e.g. its warning turned into an error: a failure
                     self.failures.append(err)
-            _leave(prev)
+            running.task = prev
 
     def _handler_for(self, cls):
         """The handler of trap class ``cls``: its nearest base in the table, cached under ``cls``."""
@@ -534,10 +601,11 @@ class Kernel:
         key = trap.key
         call = task.consumed.get(key, 0)
         fired = self.fired.get(key, 0)
-        if self.active is not None and task.group not in self.active:
+        active = self.active
+        now = self.current_point
+        if active is not None and task.group not in active:
             fired = call = 0  # its invoke sits this step out: the wait is for its next step
-        elif fired > call or (fired == 0 and self.current_point is not None
-                              and self.host.already_ran(trap, self.current_point)):
+        elif fired > call or (fired == 0 and now is not None and self.host.already_ran(trap, now)):
             where = await_site(task.coro)
             at = task.position.describe() if task.position is not None else "the start of the pass"
             nth = f" call #{call + 1}" if call else ""
@@ -553,9 +621,10 @@ class Kernel:
         except Exception as err:  # bad point for this run: raised at the user's await
             return None, err
         task.waiting = trap  # no abort: stale entries in self.waiters are skipped
-        entries = self.waiters.get(key)
+        waiters = self.waiters
+        entries = waiters.get(key)
         if entries is None:
-            self.waiters[key] = [(task, call, trap)]
+            waiters[key] = [(task, call, trap)]
         else:
             entries.append((task, call, trap))
         return None
@@ -592,7 +661,10 @@ class Kernel:
             return self._joined(task, child)
         task.waiting = trap
         task.abort = _abort_join
-        child.joiners.append(task)
+        if child.joiners is None:
+            child.joiners = [task]
+        else:
+            child.joiners.append(task)
         self._parked_holding(task)
         return None
 
@@ -642,10 +714,12 @@ class Kernel:
             task.exc = exc
             if task.parent is None:
                 self.failures.append(exc)
-        joiners, task.joiners = task.joiners, []
-        for joiner in joiners:  # all still parked on this task: a join given up removes itself
-            value, err = self._joined(joiner, task)
-            self.reschedule(joiner, value, err)
+        joiners = task.joiners
+        if joiners:
+            task.joiners = None
+            for joiner in joiners:  # all still parked on this task: a join given up removes itself
+                value, err = self._joined(joiner, task)
+                self.reschedule(joiner, value, err)
         if task.open_loops and exc is None and not self.finished:
             # it left `async for step in m.steps()` with break (or return): tell the host, which may end the run
             left = getattr(self.host, "left_step_loop", None)
@@ -663,6 +737,7 @@ class Kernel:
 
 
 _RESUME_NONE = (None, None)
+_NONE_ENDED = frozenset()   # Kernel.ended until an invoke ends early
 
 
 class _FutureWait:
@@ -701,13 +776,3 @@ def callable_name(obj) -> str:
     """A readable name for a function, coroutine or other object: qualname, else name, else repr."""
     return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
 
-
-def _enter(kernel, task):
-    prev = (getattr(_local, "kernel", None), getattr(_local, "task", None))
-    _local.kernel = kernel
-    _local.task = task
-    return prev
-
-
-def _leave(prev):
-    _local.kernel, _local.task = prev

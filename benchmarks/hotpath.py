@@ -1,0 +1,249 @@
+"""Deterministic hot-path counts: CPU instructions (callgrind) and Python opcodes per run.
+
+Wall-clock timings on a shared machine are noisy; instruction counts are not.
+Every case is one call that ``benchmarks/overhead.py`` also times:
+
+* ``id-*``: ``nn.Identity`` (the library's own cost, as overhead.py's warm-cache figures);
+* ``gpt2-*``: a 12-block x 64-wide GPT-2 (eager attention) at 1 x 32 tokens, random weights.
+
+Usage::
+
+    python benchmarks/hotpath.py --opcodes                 # Python opcodes per call, every case
+    python benchmarks/hotpath.py --callgrind               # CPU instructions per call (runs valgrind)
+    python benchmarks/hotpath.py --callgrind --cases gpt2-empty,gpt2-plain
+
+``--callgrind`` runs every case in one ``valgrind --tool=callgrind`` process
+(``--instr-atstart=no``: imports run uninstrumented). A tiny C library built on
+the fly (``cc``, ``valgrind/callgrind.h``) makes the client requests: each case
+is built and warmed up, then only its ``n`` calls are collected and dumped as
+their own part; the figure is those instructions divided by ``n``. Derived lines: fixed cost (empty run
+minus plain forward), per extra invoke, every-block read / hand-written hooks.
+It works on any revision with the public API (``ai.wrap``, ``trace``), so old
+and new can be compared with ``PYTHONPATH=<other checkout>/src``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+N_INVOKES = 8
+
+
+def build(case):
+    import torch
+    from torch import nn
+
+    import asyncinterp as ai
+
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+
+    async def empty(m):
+        return None
+
+    if case.startswith("id-"):
+        module = nn.Identity()
+        x = torch.randn(1, 64)
+        xs = [torch.randn(1, 64) for _ in range(N_INVOKES)]
+        x8 = torch.cat(xs)
+        model = ai.wrap(module)
+
+        async def read(m):
+            return await m.output
+
+        def inv8():
+            with model.trace() as run:
+                invs = [run.invoke(xi, read) for xi in xs]
+            return [inv.result for inv in invs]
+
+        return {
+            "id-plain": lambda: module(x),
+            "id-empty": lambda: model.trace(x, empty),
+            "id-b8": lambda: model.trace(x8, read),
+            "id-inv8": inv8,
+        }[case]
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(use_cache=False, attn_implementation="eager", n_layer=12, n_embd=64, n_head=4,
+                        vocab_size=1024, n_positions=64, bos_token_id=0, eos_token_id=0)
+    module = GPT2LMHeadModel(config).eval()
+    x = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
+    blocks = list(module.transformer.h)
+    model = ai.wrap(module)
+
+    async def read_all(m):
+        return [await b.output for b in m.transformer.h]
+
+    async def read1(m):
+        return await m.transformer.h[3].output
+
+    def hooks_all():
+        box = []
+        hs = [b.register_forward_hook(lambda mod, args, o: box.append(o)) for b in blocks]
+        try:
+            module(x)
+        finally:
+            for h in hs:
+                h.remove()
+        return box
+
+    def hooks1():
+        box = []
+        h = blocks[3].register_forward_hook(lambda mod, args, o: box.append(o))
+        try:
+            module(x)
+        finally:
+            h.remove()
+        return box
+
+    return {
+        "gpt2-plain": lambda: module(x),
+        "gpt2-empty": lambda: model.trace(x, empty),
+        "gpt2-hooks1": hooks1,
+        "gpt2-read1": lambda: model.trace(x, read1),
+        "gpt2-hooks-all": hooks_all,
+        "gpt2-read-all": lambda: model.trace(x, read_all),
+    }[case]
+
+
+CASES = ["id-plain", "id-empty", "id-b8", "id-inv8",
+         "gpt2-plain", "gpt2-empty", "gpt2-hooks1", "gpt2-read1", "gpt2-hooks-all", "gpt2-read-all"]
+
+
+_CG_SOURCE = r"""
+#include <valgrind/callgrind.h>
+void cg_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void cg_zero(void) { CALLGRIND_ZERO_STATS; }
+void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void cg_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
+"""
+
+
+def _client(tmp):
+    """Callgrind client requests (start instrumenting, zero, toggle collection, dump) via a tiny C library."""
+    import ctypes
+    src, lib = os.path.join(tmp, "cg.c"), os.path.join(tmp, "cg.so")
+    with open(src, "w") as f:
+        f.write(_CG_SOURCE)
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", lib, src], check=True)
+    return ctypes.CDLL(lib)
+
+
+def run_cases(cases, n, tmp):
+    """Under valgrind: each case warmed up, then ``n`` calls collected and dumped as their own part."""
+    cg = _client(tmp)
+    import torch  # noqa: F401 - imported before instrumentation starts (fast)
+    import transformers  # noqa: F401
+    cg.cg_start()
+    for case in cases:
+        fn = build(case)
+        for _ in range(20):
+            fn()
+        gc.collect()
+        k = n or (20 if case.startswith("gpt2") else 200)
+        cg.cg_zero()
+        cg.cg_toggle()
+        for _ in range(k):
+            fn()
+        cg.cg_toggle()
+        cg.cg_dump(f"{case} x{k}".encode())
+
+
+def count_opcodes(case, n=5):
+    """Python opcodes executed per call (every frame, library and model alike)."""
+    fn = build(case)
+    for _ in range(20):
+        fn()
+    counts = [0]
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[0] += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        for _ in range(n):
+            fn()
+    finally:
+        sys.settrace(None)
+    return counts[0] / n
+
+
+def callgrind(cases, n):
+    """Instructions per call of each case, from one valgrind process (``--instr-atstart=no``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cg.out")
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--instr-atstart=no",
+               "--collect-atstart=no", sys.executable, __file__, "--run", ",".join(cases), "--tmp", tmp]
+        if n:
+            cmd += ["--n", str(n)]
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        per = {}
+        for name in os.listdir(tmp):
+            if not name.startswith("cg.out"):
+                continue
+            with open(os.path.join(tmp, name)) as f:
+                text = f.read()
+            trig = re.search(r"^desc: Trigger: Client Request: (\S+) x(\d+)", text, re.M)
+            if trig is None:
+                continue
+            total = re.search(r"^summary:\s+(\d+)", text, re.M) or re.search(r"^totals:\s+(\d+)", text, re.M)
+            per[trig.group(1)] = int(total.group(1)) / int(trig.group(2))
+        return per
+
+
+def derived(per):
+    lines = []
+    if "id-empty" in per and "id-plain" in per:
+        lines.append(("warm fixed cost (id-empty - id-plain)", per["id-empty"] - per["id-plain"]))
+    if "id-inv8" in per and "id-b8" in per:
+        lines.append(("warm per extra invoke ((id-inv8 - id-b8) / 7)", (per["id-inv8"] - per["id-b8"]) / 7))
+    if "gpt2-empty" in per and "gpt2-plain" in per:
+        lines.append(("gpt2 fixed cost (gpt2-empty - gpt2-plain)", per["gpt2-empty"] - per["gpt2-plain"]))
+    if "gpt2-read1" in per and "gpt2-hooks1" in per:
+        lines.append(("gpt2 one read over hooks", per["gpt2-read1"] - per["gpt2-hooks1"]))
+    if "gpt2-read-all" in per and "gpt2-hooks-all" in per:
+        lines.append(("gpt2 every-block read over hooks", per["gpt2-read-all"] - per["gpt2-hooks-all"]))
+        lines.append(("gpt2 every-block read / hooks (ratio)", per["gpt2-read-all"] / per["gpt2-hooks-all"]))
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", help="cases to run under valgrind (what --callgrind executes)")
+    p.add_argument("--tmp", help=argparse.SUPPRESS)
+    p.add_argument("--n", type=int, default=None)
+    p.add_argument("--opcodes", action="store_true")
+    p.add_argument("--callgrind", action="store_true")
+    p.add_argument("--cases", default=",".join(CASES))
+    args = p.parse_args()
+    if args.run:
+        run_cases(args.run.split(","), args.n, args.tmp)
+        return
+    cases = [c for c in args.cases.split(",") if c]
+    for mode, unit in (("opcodes", "opcodes"), ("callgrind", "instructions")):
+        if not getattr(args, mode):
+            continue
+        if mode == "callgrind":
+            per = callgrind(cases, args.n)
+        else:
+            per = {case: count_opcodes(case) for case in cases}
+        for case in cases:
+            print(f"{mode:9} {case:16} {per[case]:>14,.0f} {unit}/call", flush=True)
+        for label, v in derived(per):
+            print(f"{mode:9} {label:48} {v:>14,.3f}" if "ratio" in label else f"{mode:9} {label:48} {v:>14,.0f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
