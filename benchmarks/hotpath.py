@@ -178,12 +178,17 @@ def count_opcodes(case, n=5):
     return counts[0] / n
 
 
-def callgrind(cases, n):
-    """Instructions per call of each case, from one valgrind process (``--instr-atstart=no``)."""
+def callgrind(cases, n, cache=False):
+    """Instructions per call of each case, from one valgrind process (``--instr-atstart=no``).
+
+    ``cache=True`` also simulates the caches and returns the cycle estimate
+    ``Ir + 10 * L1 misses + 100 * LL misses`` (kcachegrind's) instead.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cg.out")
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--instr-atstart=no",
-               "--collect-atstart=no", sys.executable, __file__, "--run", ",".join(cases), "--tmp", tmp]
+               "--collect-atstart=no"] + (["--cache-sim=yes"] if cache else []) + [
+               sys.executable, __file__, "--run", ",".join(cases), "--tmp", tmp]
         if n:
             cmd += ["--n", str(n)]
         env = dict(os.environ, PYTHONHASHSEED="0")
@@ -197,8 +202,14 @@ def callgrind(cases, n):
             trig = re.search(r"^desc: Trigger: Client Request: (\S+) x(\d+)", text, re.M)
             if trig is None:
                 continue
-            total = re.search(r"^summary:\s+(\d+)", text, re.M) or re.search(r"^totals:\s+(\d+)", text, re.M)
-            per[trig.group(1)] = int(total.group(1)) / int(trig.group(2))
+            events = re.search(r"^events:\s+(.+)$", text, re.M).group(1).split()
+            total = re.search(r"^summary:\s+(.+)$", text, re.M) or re.search(r"^totals:\s+(.+)$", text, re.M)
+            counts = dict(zip(events, (int(v) for v in total.group(1).split())))
+            value = counts["Ir"]
+            if cache:
+                value += 10 * (counts["I1mr"] + counts["D1mr"] + counts["D1mw"]) + \
+                    100 * (counts["ILmr"] + counts["DLmr"] + counts["DLmw"])
+            per[trig.group(1)] = value / int(trig.group(2))
         return per
 
 
@@ -225,6 +236,8 @@ def main():
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--opcodes", action="store_true")
     p.add_argument("--callgrind", action="store_true")
+    p.add_argument("--cache", action="store_true",
+                   help="with --callgrind: simulate caches, report estimated cycles (Ir + 10 L1m + 100 LLm)")
     p.add_argument("--cases", default=",".join(CASES))
     args = p.parse_args()
     if args.run:
@@ -235,7 +248,8 @@ def main():
         if not getattr(args, mode):
             continue
         if mode == "callgrind":
-            per = callgrind(cases, args.n)
+            per = callgrind(cases, args.n, args.cache)
+            unit = "est. cycles" if args.cache else unit
         else:
             per = {case: count_opcodes(case) for case in cases}
         for case in cases:

@@ -166,7 +166,7 @@ class _StaleWatch:
         self.version = None
 
     def before(self):
-        if self.run.firing(self.point.key) is None:   # still inside that firing: edits count
+        if not self.run.in_firing(self.point.key):   # still inside that firing: edits count
             self.version = tensor_version(self.view)
 
     def after(self, task):
@@ -290,7 +290,8 @@ class Run:
         self._hooks = None                 # the module hooks this run wrote (a HookSet, also in _handles)
         self._installed = _NO_POINTS       # point keys hooked in this run (a set once one is)
         self._kept = _NO_POINTS            # modules given a keep-alive pre-hook (a set once one is)
-        self._active = {}                  # point key -> its Firing in progress
+        self._active = {}                  # point key -> its Firing in progress (or its bare value, see _upgrade)
+        self._get_view = None              # self._view_of while hooks are installed (made once, dropped by cleanup)
         self._skips = None                 # module -> [(invoke, value, what)] replacing its next output
         self._adhoc = 0
         self._taps = None                  # point key -> callbacks seeing each firing's final value
@@ -346,6 +347,7 @@ class Run:
             hooks = self._hooks = HookSet()
             self._installed = set()
             self._kept = set()
+            self._get_view = self._view_of   # one bound method for every firing (a cycle until cleanup)
             self._handles.append(hooks)
         return hooks
 
@@ -441,7 +443,28 @@ class Run:
     # ---------------------------------------------- run interface: firings
     def firing(self, key):
         """The :class:`Firing` of point ``key`` in progress (the model is inside it), or ``None``."""
-        return self._active.get(key)
+        entry = self._active.get(key)
+        if entry is None or type(entry) is Firing:
+            return entry
+        return self._upgrade(key, entry)
+
+    def in_firing(self, key) -> bool:
+        """Whether point ``key`` is firing now (the model is inside it)."""
+        return key in self._active
+
+    def _upgrade(self, key, value) -> Firing:
+        # A module point of a whole-batch run fires with its bare value in _active (no Firing is made
+        # unless somebody needs one: a replacement, or a caller of firing()); make it now.
+        firing = self._active[key] = Firing(key, value, self.layout)
+        return firing
+
+    def _view_of(self, task, trap):
+        """``kernel.provide``'s ``get_value`` for module points: the firing's value as ``task`` sees it."""
+        entry = self._active[trap.key]
+        if type(entry) is Firing:
+            return entry.view_for(task, trap)
+        read = trap.read
+        return entry if read is None else read(entry)
 
     @property
     def in_adhoc_call(self) -> bool:
@@ -475,27 +498,34 @@ class Run:
         def hook(module, args, output):
             if self._adhoc:
                 return None
-            firing = Firing(point, output, self.layout)
-            if self._skips:
-                skips = self._skips.pop(module, None)
-                if skips:
-                    for group, value, _ in skips:
-                        firing.replace(group, point, value)
+            layout = self.layout
+            if type(layout) is Layout and output is not None and not self._skips:
+                entry = output   # the bare value: a Firing is made only if a task replaces it (see _upgrade)
+                get_view = self._get_view
+            else:
+                entry = Firing(point, output, layout)
+                if self._skips:
+                    skips = self._skips.pop(module, None)
+                    if skips:
+                        for group, value, _ in skips:
+                            entry.replace(group, point, value)
+                get_view = entry.view_for
             # what _deliver does, inline (this runs for every firing)
             kernel = self.kernel
             active = self._active
             prev = active.get(point)
-            active[point] = firing
+            active[point] = entry
             try:
-                kernel.provide(point, firing.view_for)
+                kernel.provide(point, get_view)
             finally:
+                entry = active[point]   # a Firing now if a task replaced the value
                 if prev is None:
                     del active[point]
                 else:
                     active[point] = prev
             if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
                 raise StopForward()
-            result = firing.result() if firing.replaced else None
+            result = entry.result() if type(entry) is Firing and entry.replaced else None
             if self._taps:
                 self._tapped(point, output if result is None else result)
             return result
@@ -506,10 +536,29 @@ class Run:
         def hook(module, args, kwargs):
             if self._adhoc:
                 return None
-            firing = Firing(point, (args, kwargs), self.layout)
-            if self._deliver(point, firing):
+            layout = self.layout
+            value = (args, kwargs)
+            if type(layout) is Layout:   # see output_hook
+                entry = value
+                get_view = self._get_view
+            else:
+                entry = Firing(point, value, layout)
+                get_view = entry.view_for
+            kernel = self.kernel
+            active = self._active
+            prev = active.get(point)
+            active[point] = entry
+            try:
+                kernel.provide(point, get_view)
+            finally:
+                entry = active[point]
+                if prev is None:
+                    del active[point]
+                else:
+                    active[point] = prev
+            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
                 raise StopForward()
-            new = firing.result() if firing.replaced else None
+            new = entry.result() if type(entry) is Firing and entry.replaced else None
             if self._taps:
                 self._tapped(point, (args, kwargs) if new is None else new)
             if new is None:
@@ -548,11 +597,14 @@ class Run:
 
     # --------------------------------- run interface: requests from interventions
     def replace(self, trap, task, value, shape_change: bool = False, dtype_change: bool = False) -> None:
-        firing = self._active.get(trap.key)
+        key = trap.key
+        firing = self._active.get(key)
         if firing is None:
             raise NotInRunError(
                 f"{trap.describe()} is not firing now: replace it right after `await {trap.describe()}` "
                 "(before the intervention awaits anything else)")
+        if type(firing) is not Firing:
+            firing = self._upgrade(key, firing)
         firing.replace(task.group, trap, value, shape_change, dtype_change)
 
     def skip(self, envoy, task, value) -> None:
@@ -822,7 +874,7 @@ class Run:
             for h in reversed(handles):
                 h.remove()
             handles.clear()
-            self._hooks = None
+            self._hooks = self._get_view = None
             self._installed = self._kept = _NO_POINTS
         if self._active:
             self._active.clear()

@@ -132,7 +132,7 @@ class GradPoint(Point):
         kernel = run.kernel
         now = kernel.current_point
         passed = kernel.fired.get(base, 0) > 0 or (now is not None and run.already_ran(base, now))
-        if passed and run.firing(base) is None:
+        if passed and not run.in_firing(base):
             raise OutOfOrderError(
                 f"`await {self.describe()}`: {base.describe()} already ran in this forward pass, so its "
                 "gradient can no longer be captured. Await the gradient point before the model reaches the "
@@ -313,7 +313,7 @@ class Gradients:
         inputs = []
         for p in self.points:
             ts = [t for s, t in self._values[p.key] if s == step]
-            if not ts and self._run.firing(p.key) is not None:
+            if not ts and self._run.in_firing(p.key):
                 raise RuntimeError(f"{p.describe()} is firing now, and the value the model continues with is "
                                    "known only when its firing ends: await a later point (e.g. m.output) before "
                                    f"{self!r}.backward(loss)")

@@ -61,6 +61,9 @@ class RunHost(Protocol):
     def firing(self, key) -> Firing | None:
         """The firing of point ``key`` in progress (the model is inside it), or ``None``."""
 
+    def in_firing(self, key) -> bool:
+        """Whether point ``key`` is firing now (cheaper than ``firing(key) is not None``)."""
+
     def tap(self, point, callback) -> None:
         """``callback(value)`` after every firing of ``point`` with the value the model continues with."""
 

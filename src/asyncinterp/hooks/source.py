@@ -475,7 +475,7 @@ class SourcePoint(Point):
         module = envoy.module
         calls = patches.get(module)
         if calls is None:
-            if run.firing(envoy.inputs.key) is not None:
+            if run.in_firing(envoy.inputs.key):
                 raise OutOfOrderError(
                     f"awaited {self.describe()} while {_path(envoy)} is starting (at its input): torch has already "
                     "chosen the forward for this call, so a source point can only be added before the module "

@@ -87,7 +87,7 @@ class BatchLayout(Layout):
         if span is None:
             return value
         if type(value) is torch.Tensor:   # index() inline: this runs for every invoke at every firing
-            if value.dim() == 0 or value.size(0) != self.batch_size:
+            if value.dim() == 0 or value.shape[0] != self.batch_size:
                 return value
             return value[span]
 
