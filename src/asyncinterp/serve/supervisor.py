@@ -528,6 +528,8 @@ class Pool:
                            f"{opts.hang_timeout:g} s)"))
         if self.stale and not w.jobs:
             return lambda: self._retire(w)
+        if self.waiting or self.suspects:
+            self._dispatch()                # normally done as requests come and go; this is the safety net
         return None
 
     def _start(self) -> None:
@@ -562,22 +564,38 @@ class Pool:
                 w.doomed = True
             else:
                 self.worker = w
+                self._dispatch()            # its "ready" may have been read before this line
                 self.cond.notify_all()
         if w.doomed:
             self._stop_process(w, 1.0)
         log.info("started the %s worker process (pid %s)", self.name, w.proc.pid)
 
     def _fork(self, foreign) -> WorkerHandle:
+        """Fork a worker (in the server's event-loop thread, see :meth:`Supervisor.in_server_loop`).
+
+        The model's run lock is held across the fork: a thread of this process
+        that is running the model would otherwise leave the child a copy of
+        the lock that nobody releases (the child releases its copy first).
+        """
         sup = self.sup
-        ctx = multiprocessing.get_context("fork")
-        parent_end, child_end = ctx.Pipe(duplex=True)
-        heartbeat = Heartbeat()
-        settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
-                    "batcher": dict(sup.batcher_options, name=f"worker-{self.name}")}
-        proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, sup.server, settings, foreign),
-                           name=f"asyncinterp-worker-{self.name}", daemon=True)
-        born = time.monotonic()
-        proc.start()
+        lock = getattr(sup.server.model, "run_lock", None)
+        if lock is not None and not lock.acquire(timeout=5.0):
+            raise RuntimeError("the model is busy in this process (a trace running for over 5 s); a worker is "
+                               "forked only when no thread of the server process runs the model")
+        try:
+            ctx = multiprocessing.get_context("fork")
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            heartbeat = Heartbeat()
+            settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
+                        "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
+                        "release_run_lock": lock is not None}
+            proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, sup.server, settings, foreign),
+                               name=f"asyncinterp-worker-{self.name}", daemon=True)
+            born = time.monotonic()
+            proc.start()
+        finally:
+            if lock is not None:
+                lock.release()
         child_end.close()
         return WorkerHandle(proc, Channel(parent_end), heartbeat, born)
 

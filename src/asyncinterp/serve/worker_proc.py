@@ -31,6 +31,7 @@ status :data:`OOM_EXIT` when a request ran out of memory.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -56,6 +57,8 @@ _ERRORS = (Exception, SandboxTimeout, SystemExit, KeyboardInterrupt)
 
 def run(conn, heartbeat, server, settings: dict, foreign_maps=()) -> None:
     """Entry point of a forked worker (a ``multiprocessing`` target): prepare, serve, exit."""
+    if settings.get("release_run_lock"):      # the server held it across the fork (see Pool._fork)
+        server.model.run_lock.release()
     box = {"code": FAILED_EXIT}
 
     def serve():
@@ -95,6 +98,7 @@ def prepare(settings: dict, keep_fd: int, foreign_maps=()) -> None:
     _die_with_parent(settings["server_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C goes to the server, which shuts workers down
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: every thread's stack on stderr
     _seal_sockets(keep_fd)
     for m in foreign_maps:                          # other workers' heartbeats
         m.close()
@@ -167,18 +171,27 @@ def _limit_memory(extra: int) -> None:
 
 # --------------------------------------------------------------------------- serving
 class _ReportingBatcher(Batcher):
-    """A Batcher that reports which requests a batch holds before any of their code runs."""
+    """A Batcher that reports which requests a batch holds before any of their code runs, and its end.
 
-    def __init__(self, model, on_batch, on_batch_end, **kwargs):
+    A batch in which a request ran out of memory ends the process before its
+    end is reported: the server then re-runs its requests one by one.
+    """
+
+    def __init__(self, model, on_batch, on_batch_end, on_out_of_memory, **kwargs):
         super().__init__(model, **kwargs)
         self.on_batch = on_batch
         self.on_batch_end = on_batch_end
+        self.on_out_of_memory = on_out_of_memory
 
     def _execute(self, batch):
         self.on_batch(batch)
         try:
             return super()._execute(batch)
         finally:
+            for r in batch:
+                for kind, ok, value in list(r.mailbox.items):   # what it delivered, not yet sent on
+                    if kind == "done" and not ok and is_out_of_memory(value):
+                        self.on_out_of_memory(r)
             self.on_batch_end()
 
 
@@ -190,7 +203,8 @@ class Worker:
         self.server = server
         self.tags = {}      # Meter -> request id: the batcher's requests carry the meter given to them
         self.scopes = {}    # request id -> its cancel scope
-        self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended, **settings["batcher"])
+        self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,
+                                         lambda r: self._out_of_memory(self.tags.get(r.meter)), **settings["batcher"])
         self.max_wait = self.batcher.max_wait
 
     def serve(self) -> None:
