@@ -18,11 +18,14 @@ which submitted code has no way to cause (see tests/test_serve_attacks.py).
 
 import asyncio
 import ctypes
+import json
 import os
 import pickle
 import random
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from multiprocessing import reduction
 
@@ -33,7 +36,7 @@ import torch
 from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, RemoteError
 from asyncinterp.serve.supervisor import ProcessIsolation, Supervisor, check_forkable
-from test_serve_http import KEY, PROMPTS, Live, last, make_server
+from test_serve_http import KEY, PROMPTS, Live, free_port, last, make_server
 
 GROUP = 5
 SAME = PROMPTS[:8]        # all 5 tokens long: one batch key with exact=True
@@ -394,6 +397,65 @@ def test_models_that_cannot_be_forked_are_refused():
     with pytest.raises(ValueError, match="vLLM"):
         check_forkable(type("V", (), {"native_requests": True, "module": None})())
     assert Supervisor is not None
+
+
+def test_cli_allow_code_isolates_by_default_and_leaves_no_worker_behind():
+    port = free_port()
+    env = dict(os.environ, ASYNCINTERP_API_KEYS="k1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.serve.cli", "tiny-gpt2", "--port", str(port),
+                             "--allow-code", "--hang-timeout", "1", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    pids = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stderr.read()}")
+            try:
+                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        h = httpx.get(f"{url}/v1/health", timeout=5).json()
+        assert h["isolation"] == "process" and h["workers"]["code"]["ready"], h
+
+        async def go():
+            async with AsyncClient(url, api_key="k1", timeout=60) as c:
+                frozen = asyncio.ensure_future(settle(c.trace(SAME[0], FREEZE)))
+                await asyncio.sleep(0.3)
+                t0 = time.monotonic()
+                health = await c.health()                        # while the code worker is frozen
+                dt = time.monotonic() - t0
+                return await frozen, health, dt, await c.trace(SAME[0], "top_k", k=2)
+        frozen, health, dt, top = run(go)
+        assert frozen.status == 504 and frozen.kind == "hung", frozen
+        assert health["status"] == "ok" and dt < 1.0, (health, dt)
+        assert top["ids"].shape == (1, 2)
+        h = httpx.get(f"{url}/v1/health", timeout=5).json()
+        pids = [w["pid"] for w in h["workers"].values()]
+        assert h["workers"]["code"]["restarts"] == 1 and all(pids), h
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any(r.get("event") == "startup" and r.get("isolation") == "process" for r in records), err[-2000:]
+    assert any(r.get("event") == "worker_restart" and r.get("cause") == "hung" for r in records), err[-2000:]
+    deadline = time.monotonic() + 10
+    for pid in pids:                                  # the workers went with the server
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"worker {pid} outlived the server"
+            time.sleep(0.1)
 
 
 # --------------------------------------------------------------------------- hostile load
