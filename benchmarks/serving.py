@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py                         # gpt2-small and smollm2, in process (~3 min on 2 cores)
     python benchmarks/serving.py --http                  # also through uvicorn + httpx (server in a subprocess)
+    python benchmarks/serving.py --http --process        # and with the model in supervised worker processes
     python benchmarks/serving.py --models gpt2-small --clients 1,8,32 --rounds 3 --out latest
 
 N concurrent clients (N = 1, 8, 32) each send ``--per-client`` requests one
@@ -19,7 +20,10 @@ modes (same prompts, same model, grad off):
                      for one-by-one);
 * with ``--http``: ``coalesced-http`` / ``one-by-one-http`` -- the same through
   ``asyncinterp serve`` (uvicorn in a subprocess, ``--max-batch 32`` / ``1``) and
-  ``ai.serve.AsyncClient``, with the registered ``read`` intervention.
+  ``ai.serve.AsyncClient``, with the registered ``read`` intervention;
+* with ``--process`` too: ``coalesced-http-process`` -- the coalesced server with
+  ``--isolation process`` (the model runs in a supervised worker process; requests and
+  results cross a pipe as msgpack): the cost of the process boundary.
 
 Rounds interleave the modes in a shuffled order (fair under background load);
 req/s is the median over rounds; latency percentiles pool every request of
@@ -146,13 +150,13 @@ def free_port():
 
 
 class ServerProc:
-    def __init__(self, model, max_batch, threads=None):
+    def __init__(self, model, max_batch, threads=None, isolation="thread"):
         import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "asyncinterp.serve.cli", MODELS[model][0], "--port", str(self.port),
                "--max-batch", str(max_batch), "--max-wait-ms", "2" if max_batch > 1 else "0",
-               "--max-queue", "1024", "--log-level", "warning", "--timeout", "300"]
+               "--max-queue", "1024", "--log-level", "warning", "--timeout", "300", "--isolation", isolation]
         if threads:
             cmd += ["--threads", str(threads)]
         env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -222,6 +226,8 @@ def bench_model(name, args):
         print("   starting servers", flush=True)
         servers = {"coalesced-http": ServerProc(name, 32, args.threads),
                    "one-by-one-http": ServerProc(name, 1, args.threads)}
+        if args.process:
+            servers["coalesced-http-process"] = ServerProc(name, 32, args.threads, "process")
     rows = []
     try:
         for n in args.clients:
@@ -265,7 +271,7 @@ def table(rows):
     out = ["| model | clients | mode | req/s | p50 ms | p99 ms | vs one-by-one | vs plain-batch |",
            "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        one = by.get((r["model"], r["clients"], "one-by-one-http" if r["mode"].endswith("-http") else "one-by-one"))
+        one = by.get((r["model"], r["clients"], "one-by-one-http" if "-http" in r["mode"] else "one-by-one"))
         plain = by.get((r["model"], r["clients"], "plain-batch"))
         vs1 = f"{r['rps'] / one['rps']:.2f}x" if one else ""
         vsp = f"{r['rps'] / plain['rps']:.2f}x" if plain else ""
@@ -290,6 +296,10 @@ def summary(rows):
         if ch and oh:
             lines.append(f"- {model}, {n} clients over HTTP: coalesced / one-by-one = {ch / oh:.2f}x; "
                          f"coalesced-http / plain-batch = {ch / pb:.2f}x")
+        cp = by.get((model, n, "coalesced-http-process"))
+        if cp and ch:
+            lines.append(f"- {model}, {n} clients over HTTP: process isolation / in process = {cp / ch:.2f}x "
+                         "(target >= 0.9x)")
     return "\n".join(lines)
 
 
@@ -300,6 +310,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--per-client", type=int, default=3, help="requests per client per round (x4 for N=1)")
     p.add_argument("--http", action="store_true", help="also measure through uvicorn + httpx")
+    p.add_argument("--process", action="store_true",
+                   help="with --http: also a server whose model runs in a supervised worker process")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, here and in the --http servers (1 is the most robust on a "
                         "shared machine: a parallel region waits for its slowest thread)")
