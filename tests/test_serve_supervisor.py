@@ -329,6 +329,24 @@ def test_a_stream_whose_batch_crashed_restarts_and_ends_equal_to_its_solo_run(li
         assert g.tokens == model.generate(p, max_new_tokens=n).tokens.tolist(), p
 
 
+def test_a_client_leaving_cancels_its_request_in_the_worker(live):
+    """The cancel crosses to the worker: the request's intervention is closed there and the worker lets it go."""
+    pool = live.server.batcher.pools["trusted"]
+
+    async def go():
+        async with AsyncClient(live.url, api_key=KEY, timeout=60) as c:
+            async for ev in c.stream_generate(SAME[2], "slow_steps", params={"tag": "leave", "seconds": 0.1},
+                                              max_new_tokens=100):        # 10 s if nobody stops it
+                if ev["event"] == "token" and ev["step"] >= 2:
+                    break
+    t0 = time.monotonic()
+    run(go)
+    deadline = t0 + 6
+    while pool.worker is None or pool.worker.jobs:   # the worker answers the cancel, then the job is let go
+        assert time.monotonic() < deadline, {j.id: j.state for j in pool.worker.jobs.values()}
+        time.sleep(0.05)
+
+
 def test_nothing_from_a_worker_is_unpickled(live, model, monkeypatch):
     calls = []
 

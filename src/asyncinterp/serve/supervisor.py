@@ -289,6 +289,18 @@ class WorkerHandle:
         self.heartbeat.close()
 
 
+def _reap(proc, timeout: float) -> None:
+    """Wait until ``proc`` has exited (and is collected), at most ``timeout`` seconds.
+
+    Polls ``waitpid`` rather than ``proc.join(timeout)``: join waits for the
+    process's sentinel pipe to close, and a worker forked later holds a copy
+    of it, so join would wait out its whole timeout.
+    """
+    deadline = time.monotonic() + timeout
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 # --------------------------------------------------------------------------- a pool: one worker and its queue
 class Pool:
     """One worker process, the requests waiting for it, and the thread that watches it."""
@@ -617,13 +629,13 @@ class Pool:
             w.doomed = True
             if self.restart_began is None:
                 self.restart_began = time.monotonic()
-        w.proc.join(2.0)
+        _reap(w.proc, 2.0)
         if w.proc.is_alive():           # broken but running: finish it
             try:
                 os.kill(w.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, OSError):
                 pass
-            w.proc.join(5.0)
+            _reap(w.proc, 5.0)
         if cause is None:
             cause = w.kill_cause or cause_of_exit(w.proc.exitcode, w.broken)
         w.close_pipe()
@@ -685,13 +697,13 @@ class Pool:
             w.outbox.put(wire.packb({"op": "exit"}))
         except Exception:  # noqa: BLE001
             pass
-        w.proc.join(wait)
+        _reap(w.proc, wait)
         if w.proc.is_alive():
             try:
                 os.kill(w.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, OSError):
                 pass
-            w.proc.join(5.0)
+            _reap(w.proc, 5.0)
         w.close_pipe()
 
     def _fail_waiting(self, exc) -> None:
