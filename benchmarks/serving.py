@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py                         # gpt2-small and smollm2, in process (~3 min on 2 cores)
     python benchmarks/serving.py --http                  # also through uvicorn + httpx (server in a subprocess)
+    python benchmarks/serving.py --http --process        # and with the model in supervised worker processes
     python benchmarks/serving.py --models gpt2-small --clients 1,8,32 --rounds 3 --out latest
 
 N concurrent clients (N = 1, 8, 32) each send ``--per-client`` requests one
@@ -19,7 +20,10 @@ modes (same prompts, same model, grad off):
                      for one-by-one);
 * with ``--http``: ``coalesced-http`` / ``one-by-one-http`` -- the same through
   ``asyncinterp serve`` (uvicorn in a subprocess, ``--max-batch 32`` / ``1``) and
-  ``ai.serve.AsyncClient``, with the registered ``read`` intervention.
+  ``ai.serve.AsyncClient``, with the registered ``read`` intervention;
+* with ``--process`` too: ``coalesced-http-process`` -- the coalesced server with
+  ``--isolation process`` (the model runs in a supervised worker process; requests and
+  results cross a pipe as msgpack): the cost of the process boundary.
 
 Rounds interleave the modes in a shuffled order (fair under background load);
 req/s is the median over rounds; latency percentiles pool every request of
@@ -40,6 +44,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -146,21 +151,25 @@ def free_port():
 
 
 class ServerProc:
-    def __init__(self, model, max_batch, threads=None):
+    def __init__(self, model, max_batch, threads=None, isolation="thread"):
         import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "asyncinterp.serve.cli", MODELS[model][0], "--port", str(self.port),
                "--max-batch", str(max_batch), "--max-wait-ms", "2" if max_batch > 1 else "0",
-               "--max-queue", "1024", "--log-level", "warning", "--timeout", "300"]
+               "--max-queue", "1024", "--log-level", "warning", "--timeout", "300", "--isolation", isolation]
         if threads:
             cmd += ["--threads", str(threads)]
         env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # the server's log goes to a file (a pipe nobody reads would block the server once full)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"serving-{model}-{isolation}-", suffix=".log",
+                                               delete=False)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
+        print(f"   server (max_batch {max_batch}, isolation {isolation}) log: {self.log.name}", flush=True)
         deadline = time.monotonic() + 180
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
                     break
@@ -220,8 +229,11 @@ def bench_model(name, args):
     servers = {}
     if args.http:
         print("   starting servers", flush=True)
-        servers = {"coalesced-http": ServerProc(name, 32, args.threads),
-                   "one-by-one-http": ServerProc(name, 1, args.threads)}
+        specs = {"coalesced-http": (32, "thread"), "one-by-one-http": (1, "thread")}
+        if args.process:
+            specs["coalesced-http-process"] = (32, "process")
+        servers = {m: ServerProc(name, batch, args.threads, isolation) for m, (batch, isolation) in specs.items()
+                   if args.modes is None or m in args.modes}
     rows = []
     try:
         for n in args.clients:
@@ -234,6 +246,8 @@ def bench_model(name, args):
             }
             for mode, srv in servers.items():
                 modes[mode] = (lambda s=srv: asyncio.run(run_http(s.url, path, ps, n, per_client)))
+            if args.modes:
+                modes = {m: f for m, f in modes.items() if m in args.modes}
             for f in modes.values():   # warm-up at this batch size
                 f()
             samples = {m: [] for m in modes}
@@ -265,7 +279,7 @@ def table(rows):
     out = ["| model | clients | mode | req/s | p50 ms | p99 ms | vs one-by-one | vs plain-batch |",
            "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        one = by.get((r["model"], r["clients"], "one-by-one-http" if r["mode"].endswith("-http") else "one-by-one"))
+        one = by.get((r["model"], r["clients"], "one-by-one-http" if "-http" in r["mode"] else "one-by-one"))
         plain = by.get((r["model"], r["clients"], "plain-batch"))
         vs1 = f"{r['rps'] / one['rps']:.2f}x" if one else ""
         vsp = f"{r['rps'] / plain['rps']:.2f}x" if plain else ""
@@ -275,21 +289,28 @@ def table(rows):
 
 
 def summary(rows):
+    rows_all = rows
     by = {(r["model"], r["clients"], r["mode"]): r["rps"] for r in rows}
     lines = []
     for model in dict.fromkeys(r["model"] for r in rows):
         n = max(r["clients"] for r in rows if r["model"] == model)
         c, o = by.get((model, n, "coalesced")), by.get((model, n, "one-by-one"))
         pb, ps_ = by.get((model, n, "plain-batch")), by.get((model, n, "plain-single"))
-        if None in (c, o, pb, ps_):
-            continue
-        lines.append(f"- {model}, {n} clients: coalesced / one-by-one = {c / o:.2f}x (target >= 5x); "
-                     f"coalesced / plain-batch = {c / pb:.2f}x (target >= 0.8x); "
-                     f"plain-batch / plain-single = {pb / ps_:.2f}x (what batching itself buys on this machine)")
+        if None not in (c, o, pb, ps_):
+            lines.append(f"- {model}, {n} clients: coalesced / one-by-one = {c / o:.2f}x (target >= 5x); "
+                         f"coalesced / plain-batch = {c / pb:.2f}x (target >= 0.8x); "
+                         f"plain-batch / plain-single = {pb / ps_:.2f}x (what batching itself buys on this machine)")
         ch, oh = by.get((model, n, "coalesced-http")), by.get((model, n, "one-by-one-http"))
-        if ch and oh:
+        if ch and oh and pb:
             lines.append(f"- {model}, {n} clients over HTTP: coalesced / one-by-one = {ch / oh:.2f}x; "
                          f"coalesced-http / plain-batch = {ch / pb:.2f}x")
+        cp = by.get((model, n, "coalesced-http-process"))
+        if cp and ch:
+            rounds = {r["mode"]: r["rps_rounds"] for r in rows_all if r["model"] == model and r["clients"] == n}
+            paired = sorted(a / b for a, b in zip(rounds["coalesced-http-process"], rounds["coalesced-http"]))
+            lines.append(f"- {model}, {n} clients over HTTP: process isolation / in process = {cp / ch:.2f}x "
+                         f"(medians; per round, paired: median {statistics.median(paired):.2f}x, "
+                         f"{', '.join(f'{x:.2f}' for x in paired)}; target >= 0.9x)")
     return "\n".join(lines)
 
 
@@ -300,12 +321,17 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--per-client", type=int, default=3, help="requests per client per round (x4 for N=1)")
     p.add_argument("--http", action="store_true", help="also measure through uvicorn + httpx")
+    p.add_argument("--process", action="store_true",
+                   help="with --http: also a server whose model runs in a supervised worker process")
+    p.add_argument("--modes", default=None,
+                   help="only these modes (comma separated), e.g. coalesced-http,coalesced-http-process")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, here and in the --http servers (1 is the most robust on a "
                         "shared machine: a parallel region waits for its slowest thread)")
     p.add_argument("--out", default=None, help="write benchmarks/results/serving-OUT.{md,json}")
     args = p.parse_args(argv)
     args.clients = [int(x) for x in args.clients.split(",")]
+    args.modes = args.modes.split(",") if args.modes else None
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)

@@ -17,7 +17,9 @@ What serving needs (:mod:`asyncinterp.serve`):
 * :class:`Mailbox` — items put from any thread, awaited in the event loop that made it;
 * :func:`fail_at` — raise ``TimeoutError`` at a ``time.monotonic()`` deadline (``None``: never);
 * :func:`to_thread` — await a blocking call run in a worker thread;
-* :func:`run_watched` — await ``fn()`` while a watcher runs beside it; the watcher returning first cancels it.
+* :func:`run_watched` — await ``fn()`` while a watcher runs beside it; the watcher returning first cancels it;
+* :func:`run_with_tasks` / :func:`cancel_scope` — a fresh event loop with a task group, and per-task
+  cancellation (the supervised worker process, :mod:`asyncinterp.serve.worker_proc`).
 """
 
 from __future__ import annotations
@@ -204,5 +206,24 @@ async def run_watched(fn, watch, catch=(Exception,)) -> Watched:
     return out
 
 
-__all__ = ["LoopHandle", "Mailbox", "Watched", "current_library", "fail_at", "in_loop", "run_in_thread",
-           "run_watched", "to_thread"]
+def run_with_tasks(main) -> None:
+    """Run ``await main(start)`` in a new asyncio event loop in this thread, until it and its tasks return.
+
+    ``start(fn, *args)`` starts ``fn(*args)`` as a task beside ``main``; the
+    call returns when ``main`` and every task it started have returned.
+    """
+
+    async def top():
+        async with anyio.create_task_group() as tg:
+            await main(tg.start_soon)
+
+    anyio.run(top)
+
+
+def cancel_scope():
+    """A cancel scope (``with cancel_scope() as scope: ...``; ``scope.cancel()`` from the same event loop)."""
+    return anyio.CancelScope()
+
+
+__all__ = ["LoopHandle", "Mailbox", "Watched", "cancel_scope", "current_library", "fail_at", "in_loop",
+           "run_in_thread", "run_watched", "run_with_tasks", "to_thread"]

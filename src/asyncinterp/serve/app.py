@@ -142,14 +142,19 @@ class Server:
     413. ``max_queue``: waiting requests beyond it get 503. Batching:
     ``max_batch``, ``max_wait_ms``, ``exact`` (see :class:`Batcher`).
     ``builtin_interventions``: register ``top_k``, ``read``, ``steer`` and
-    ``ablate`` (language models).
+    ``ablate`` (language models). ``isolation``: ``"thread"`` (default: the
+    model runs in this process, on the batcher's thread) or ``"process"`` /
+    a :class:`~.supervisor.ProcessIsolation`: the model and every
+    intervention run in supervised worker processes that are killed and
+    restarted when they hang, crash or run out of memory (see
+    :mod:`.supervisor`); this process keeps checking requests as before.
     """
 
     def __init__(self, model, *, api_keys=None, allow_code: bool = False, max_batch: int = 32,
                  max_wait_ms: float = 5.0, max_queue: int = 256, timeout: float = 30.0, code_budget: float = 1.0,
                  max_body_bytes: int = 1 << 20, max_new_tokens: int = 256, max_prompt_tokens: int | None = None,
                  exact: bool = False, name: str | None = None, builtin_interventions: bool = True,
-                 batcher: Batcher | None = None):
+                 batcher: Batcher | None = None, isolation="thread"):
         self.model = model
         self.name = name or type(getattr(model, "module", model)).__name__
         self.api_keys = [k.encode() for k in (api_keys or []) if k]
@@ -164,6 +169,11 @@ class Server:
         ctx = getattr(model, "context_length", None) or getattr(model, "max_model_len", None)
         self.max_prompt_tokens = max_prompt_tokens or ctx or 4096
         self.limits = wire.Limits(max_bytes=self.max_body_bytes)
+        self.supervised = isolation != "thread"
+        if self.supervised and batcher is None:
+            from .supervisor import Supervisor
+            batcher = Supervisor(self, isolation, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                 max_queue=max_queue, exact=exact, name=f"serve-{self.name}")
         self.batcher = batcher or Batcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                           exact=exact, name=f"serve-{self.name}")
         self.interventions: dict[str, Registered] = {}
@@ -337,6 +347,14 @@ class Server:
                                         f"context of {ctx}", param=param)
 
     def _intervention(self, spec, timeout, required=True):
+        """What the batcher runs for a request's intervention spec; refuses before any model work."""
+        bound = self.bind_intervention(spec, timeout, required)
+        if self.supervised and bound[0] is not None:
+            # checked here as always; a worker process binds it again and runs it
+            return self.batcher.remote(spec), None, bound[2], None
+        return bound
+
+    def bind_intervention(self, spec, timeout, required=True):
         """``(fn, on_cancel, label, meter)`` for a request's intervention spec; refuses before any model work."""
         if spec is None:
             if required:
@@ -468,6 +486,9 @@ class Server:
             raise _Fail(422, "intervention", exc) from None
 
     def _run_error(self, exc, fields) -> _Fail:
+        status = getattr(exc, "http_status", None)
+        if status is not None:   # reported by or about a supervised worker process: its own status and error
+            return _Fail(status, exc.kind, exc)
         if isinstance(exc, BatcherFull):
             return _Fail(503, "overloaded", str(exc), {"Retry-After": "1"})
         if isinstance(exc, BatcherClosed):
@@ -482,8 +503,9 @@ class Server:
 
     # ------------------------------------------------------------------ endpoints
     async def _health(self, request):
+        extra = self.batcher.health() if self.supervised else {}
         return JSONResponse({"status": "ok", "model": self.name, "queue": self.batcher.queue_size(),
-                             "batches": self.batcher.stats["batches"]})
+                             "batches": self.batcher.stats["batches"], **extra})
 
     async def _model_info(self, request):
         async def work(fields):

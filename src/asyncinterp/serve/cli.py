@@ -83,6 +83,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", help="log level (default info)")
     p.add_argument("--allow-non-loopback", action="store_true",
                    help="allow binding a non-loopback address (put TLS and a real auth layer in front!)")
+    p.add_argument("--isolation", choices=["auto", "thread", "process"], default="auto",
+                   help="process: run the model and all interventions in supervised worker processes, killed and "
+                        "restarted when they hang, crash or run out of memory; thread: in this process. auto "
+                        "(default): process with --allow-code, else thread")
+    p.add_argument("--hang-timeout", type=float, default=5.0,
+                   help="with process isolation: seconds without a heartbeat before a worker is killed (default 5)")
+    p.add_argument("--worker-memory-mb", type=int, default=4096,
+                   help="with process isolation: MiB a worker may grow beyond its size at start (default 4096; "
+                        "0: no limit)")
 
 
 _VLLM_FLAGS = ("tensor_parallel_size", "dtype", "max_model_len", "kv_cache_memory_bytes", "max_num_seqs",
@@ -216,13 +225,17 @@ def run(args) -> int:
 
 def _serve(args, model, keys, log) -> int:
     from .app import Server
+    isolation = choose_isolation(args, model, log)
     server = Server(model, api_keys=keys, allow_code=args.allow_code, max_batch=args.max_batch,
                     max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, timeout=args.timeout,
                     code_budget=args.code_budget, max_body_bytes=args.max_body_bytes,
                     max_new_tokens=args.max_new_tokens, exact=args.exact,
-                    name=args.served_model_name or args.model, builtin_interventions=not args.no_builtins)
+                    name=args.served_model_name or args.model, builtin_interventions=not args.no_builtins,
+                    isolation=isolation)
     for path in args.interventions:
         load_interventions(server, path)
+    if server.supervised:   # fork the workers now: after the interventions are registered, before any request
+        server.batcher.start()
     if not keys:
         log.warning("no API key configured: anyone who can reach %s:%s can use the model", args.host, args.port,
                     extra={"fields": {"event": "startup"}})
@@ -235,9 +248,27 @@ def _serve(args, model, keys, log) -> int:
     log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": args.engine,
                                           "host": args.host,
                                           "port": args.port, "interventions": sorted(server.interventions),
-                                          "allow_code": args.allow_code}})
+                                          "allow_code": args.allow_code,
+                                          "isolation": "process" if server.supervised else "thread"}})
     userver.run()
     return 0
+
+
+def choose_isolation(args, model, log):
+    """``"thread"`` or a ``ProcessIsolation`` for the CLI's ``--isolation`` (``auto``: process with --allow-code)."""
+    if args.isolation == "thread" or (args.isolation == "auto" and not args.allow_code):
+        return "thread"
+    from .supervisor import ProcessIsolation, check_forkable
+    try:
+        check_forkable(model)
+    except ValueError as exc:
+        if args.isolation == "process":
+            raise
+        log.warning("submitted code runs in this process (no worker isolation): %s", exc,
+                    extra={"fields": {"event": "startup"}})
+        return "thread"
+    return ProcessIsolation(hang_timeout=args.hang_timeout,
+                            memory_limit=(args.worker_memory_mb << 20) if args.worker_memory_mb > 0 else None)
 
 
 def main(argv=None) -> int:

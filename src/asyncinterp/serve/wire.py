@@ -305,7 +305,17 @@ def scrub_addresses(text: str) -> str:
 
 
 def encode_error(exc: BaseException, kind: str | None = None) -> dict:
-    """A wire map for an exception: its type, message, notes and own traceback lines."""
+    """A wire map for an exception: its type, message, notes and own traceback lines.
+
+    An exception that carries a ``wire_error`` map (an error a worker process
+    reported, see :mod:`.supervisor`) is sent as that map.
+    """
+    remote = getattr(exc, "wire_error", None)
+    if isinstance(remote, dict):
+        out = dict(remote)
+        if kind is not None:
+            out["kind"] = kind
+        return out
     message = str(exc)
     if isinstance(exc, BaseExceptionGroup):
         message = f"{message}: " + "; ".join(f"{type(e).__name__}: {e}" for e in exc.exceptions)

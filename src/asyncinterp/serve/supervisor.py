@@ -1,0 +1,968 @@
+"""The supervisor: runs the model in worker processes, and kills and restarts a worker that hangs or dies.
+
+Why: Python cannot stop, from inside, a C-level loop that holds the GIL, nor
+survive a segfault or heap corruption. With ``Server(model,
+isolation="process")`` the server keeps the HTTP side (API keys, body limits,
+parameter checks, the sandbox's refusal of code, all before any model work)
+and hands each accepted request to a worker process (:mod:`.worker_proc`)
+that runs a normal :class:`~.batcher.Batcher` over the model. A
+:class:`Supervisor` stands where the server's ``Batcher`` would: the same
+``trace``/``generate``/``stream_generate``/``queue_size``/``stats`` surface.
+
+Each *pool* has one worker: ``trusted`` for registered interventions and
+plain generation, ``code`` for submitted code (with ``code_worker=True``,
+the default), so a tenant's code never shares a forward, a process or a
+CPU priority with the server owner's requests. A pool's thread watches its
+worker every :data:`TICK` seconds and kills it (``SIGKILL``) when
+
+* its heartbeat (:class:`~.channel.Heartbeat`) stood still for
+  ``hang_timeout`` seconds: something holds the GIL (``hung``);
+* the batch it runs is past its hard deadline: the batch's start + the
+  longest ``timeout`` of its requests + the compute budgets of its
+  submitted requests + ``hang_timeout`` (``overran``; catches long C calls
+  that release the GIL, blocking calls and deadlocks, also after every
+  request of the batch has had its answer);
+
+and notices when it died: a signal (``crashed``), exit status
+:data:`~.worker_proc.OOM_EXIT` (a request ran out of the worker's memory
+limit, ``out_of_memory``), anything else (``exited``), a malformed message
+(``broken``). Then it forks a new worker and sorts the requests the dead
+one held: those of the batch that was running are *suspects* and are re-run
+one at a time, each alone; a request that kills a worker while it runs alone
+is the offender and fails with an error saying what happened (504 ``hung`` /
+``overran``, 500 ``crashed``, 507 ``out_of_memory``). Every other request
+(not started yet, or of a batch that had ended) is sent again as if new.
+While suspects are re-run, the pool's other requests wait (in this
+process: the queue and ``/v1/health`` keep answering).
+
+Nothing the worker sends is unpickled: messages are msgpack (:mod:`.channel`).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import aio
+from . import wire
+from . import worker_proc
+from .batcher import BatcherClosed, BatcherFull, GenerateResult
+from .channel import Channel, Heartbeat
+
+log = logging.getLogger("asyncinterp.serve.supervisor")
+
+TICK = 0.02           # seconds between a pool's checks of its worker
+_ids = itertools.count(1)
+
+
+# --------------------------------------------------------------------------- settings
+@dataclass
+class ProcessIsolation:
+    """Settings of ``Server(model, isolation=ProcessIsolation(...))`` (``isolation="process"``: the defaults).
+
+    ``hang_timeout``: seconds without a heartbeat before a worker is killed
+    (a legitimate worker beats every 10 ms; nothing legitimate holds the GIL
+    that long). ``start_timeout``: seconds a new worker may take to be ready.
+    ``memory_limit``: bytes a worker may grow beyond its size when forked
+    (``RLIMIT_DATA``; ``None``: no limit). ``code_worker``: submitted code
+    runs in a worker of its own (else in the one worker). ``code_nice``: the
+    CPU niceness added to that worker, so that the server and registered
+    requests come first. ``max_failed_starts``: workers that fail to start
+    in a row before the pool fails its waiting requests (503).
+    """
+
+    hang_timeout: float = 5.0
+    start_timeout: float = 60.0
+    memory_limit: int | None = 4 << 30
+    code_worker: bool = True
+    code_nice: int = 10
+    max_failed_starts: int = 3
+
+    def __post_init__(self):
+        if not self.hang_timeout > 0 or not self.start_timeout > 0:
+            raise ValueError("hang_timeout and start_timeout must be positive numbers of seconds")
+        if self.memory_limit is not None and self.memory_limit < (64 << 20):
+            raise ValueError(f"memory_limit must be at least 64 MiB (or None), got {self.memory_limit!r}")
+
+
+def check_forkable(model) -> None:
+    """Raise ``ValueError`` if ``model`` cannot be served from a forked worker process."""
+    if not hasattr(os, "fork"):
+        raise ValueError("process isolation needs os.fork (Linux, macOS); use isolation='thread'")
+    if callable(getattr(model, "submit", None)):   # a live engine (vLLM)
+        raise ValueError("process isolation does not support vLLM engines (they own threads and processes that "
+                         "a fork does not copy); use isolation='thread'")
+    module = getattr(model, "module", None)
+    params = module.parameters() if hasattr(module, "parameters") else ()
+    for p in itertools.islice(params, 1000):
+        if p.device.type != "cpu":
+            raise ValueError(f"process isolation forks the server after the model is loaded, and a forked child "
+                             f"cannot use {p.device.type} (the model has parameters there); use "
+                             "isolation='thread'")
+
+
+# --------------------------------------------------------------------------- errors
+class WorkerFailure(RuntimeError):
+    """A request whose worker process hung, overran, crashed or ran out of memory while it ran alone.
+
+    ``http_status`` and ``kind`` are what the server answers (see the subclasses).
+    """
+
+    http_status = 500
+    kind = "crashed"
+
+
+class WorkerHung(WorkerFailure):
+    http_status = 504
+    kind = "hung"
+
+
+class WorkerOverran(WorkerFailure):
+    http_status = 504
+    kind = "overran"
+
+
+class WorkerCrashed(WorkerFailure):
+    http_status = 500
+    kind = "crashed"
+
+
+class WorkerOutOfMemory(WorkerFailure, MemoryError):
+    http_status = 507
+    kind = "out_of_memory"
+
+
+class WorkerUnavailable(WorkerFailure):
+    http_status = 503
+    kind = "unavailable"
+
+
+class RemoteFailure(Exception):
+    """A request that failed in the worker: its status and its error map as the worker reported them.
+
+    ``wire_error`` is sent to the client as it is (:func:`~.wire.encode_error` uses it).
+    """
+
+    def __init__(self, status: int, error: dict):
+        self.http_status = status
+        self.kind = error.get("kind", "intervention")
+        self.wire_error = error
+        super().__init__(error.get("message", ""))
+
+
+@dataclass
+class Cause:
+    """Why a worker is gone: ``kind`` (``hung``, ``overran``, ``crashed``, ``out_of_memory``, ``exited``,
+    ``broken``, ``start``) and a sentence saying what happened."""
+
+    kind: str
+    detail: str
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def cause_of_exit(code, broken: str | None) -> Cause:
+    if code is None:
+        return Cause("broken", f"broke the protocol ({broken})")
+    if code < 0:
+        name = _signal_name(-code)
+        extra = " (the kernel's out-of-memory killer sends this when the machine runs out of memory)" \
+            if -code == signal.SIGKILL else ""
+        return Cause("crashed", f"crashed: killed by signal {-code} ({name}){extra}")
+    if code == worker_proc.OOM_EXIT:
+        return Cause("out_of_memory", "ran out of memory (its memory limit)")
+    return Cause("exited", f"exited with status {code}")
+
+
+def _failure_for(cause: Cause, opts: ProcessIsolation, rerun: bool) -> WorkerFailure:
+    """The error of the request that killed a worker while it ran alone (``rerun``: in a re-run)."""
+    alone = ("alone (re-run by itself after a worker running its batch died)" if rerun else
+             "alone in its batch")
+    tail = "The server replaced that worker process with a new one; other requests were not affected."
+    if cause.kind == "hung":
+        return WorkerHung(
+            f"the worker process made no progress for {opts.hang_timeout:g} s while running this request {alone}: "
+            "code that holds the GIL in a C-level loop, such as any(iter(int, 1)), cannot be stopped inside the "
+            f"process. {tail} Avoid such loops (Python-level loops are stopped at the compute budget).")
+    if cause.kind == "overran":
+        return WorkerOverran(
+            f"the worker process running this request {alone} {cause.detail}. {tail} One long C call (a huge "
+            "operation) or a blocking call cannot be interrupted at a hook point; make the work smaller.")
+    if cause.kind == "out_of_memory":
+        limit = f"{opts.memory_limit / 2**20:.0f} MiB above its size at start" if opts.memory_limit else "none"
+        return WorkerOutOfMemory(
+            f"out of memory: the worker process running this request {alone} exceeded its memory limit ({limit}). "
+            f"{tail} Allocate less (Python lists and strings count too).")
+    return WorkerCrashed(
+        f"the worker process running this request {alone} {cause.detail}. {tail} If the request uses a registered "
+        "intervention, this is a bug in server code or a library: report it with the request.")
+
+
+# --------------------------------------------------------------------------- what runs in the worker
+class WorkerSpec:
+    """An intervention as the worker binds it: ``{"name", "params"}`` or ``{"source", "entry", "params"}``."""
+
+    __slots__ = ("spec", "submitted")
+
+    def __init__(self, spec):
+        if isinstance(spec, str):
+            spec = {"name": spec}
+        self.spec = dict(spec)
+        self.submitted = "source" in self.spec
+
+    def __repr__(self):
+        what = f"submitted:{self.spec.get('entry') or '?'}" if self.submitted else self.spec.get("name")
+        return f"<WorkerSpec {what}>"
+
+
+class Job:
+    """One request as the supervisor tracks it across workers (and re-runs)."""
+
+    __slots__ = ("id", "kind", "fields", "payload", "timeout", "budget", "mailbox", "state", "worker", "suspect",
+                 "forwarded", "guard", "pool")
+
+    def __init__(self, kind, fields: dict, timeout: float, budget: float, guard: float):
+        self.id = next(_ids)
+        self.kind = kind
+        self.fields = dict(fields, op="run", id=self.id, kind=kind, timeout=timeout)
+        self.payload = wire.packb(self.fields)
+        self.timeout = timeout
+        self.budget = budget
+        self.mailbox = aio.Mailbox()
+        self.state = "waiting"        # waiting -> sent -> started -> done | cancelled
+        self.worker = None
+        self.suspect = False          # it was in a batch that a worker died running: it is re-run alone
+        self.forwarded = 0            # stream events passed on; a re-run first sends a "restart" event
+        self.guard = time.monotonic() + guard
+        self.pool = None
+
+    def finish(self, ok: bool, value) -> None:   # under the pool's lock
+        if self.state in ("done", "cancelled"):
+            return
+        self.state = "done"
+        self.mailbox.put(("done", ok, value))
+
+
+class WorkerHandle:
+    """A worker process as its pool sees it: process, pipe, heartbeat, and the jobs it holds."""
+
+    def __init__(self, proc, channel: Channel, heartbeat: Heartbeat, born: float):
+        self.proc = proc
+        self.channel = channel
+        self.heartbeat = heartbeat
+        self.born = born
+        self.ready = False
+        self.doomed = False           # judged dead (or being retired): nothing more is sent or believed
+        self.broken = None            # why its pipe failed, if it did
+        self.kill_cause = None
+        self.jobs = {}                # id -> Job sent to it and not answered
+        self.batch = []               # ids of the batch it is running (empty between batches)
+        self.batch_started = None
+        self.batch_deadline = None    # the running batch's hard deadline (time.monotonic())
+        self.beat_seen = -1
+        self.beat_at = born
+        self.outbox = queue.SimpleQueue()
+        self.threads = []             # its reader and sender threads
+
+    def close_pipe(self) -> None:
+        """Close the server's end once its threads are gone (so a reused descriptor number is never touched)."""
+        self.outbox.put(None)
+        for t in self.threads:
+            t.join(2.0)
+        try:
+            self.channel.close()
+        except OSError:
+            pass
+        self.heartbeat.close()
+
+
+def _reap(proc, timeout: float) -> None:
+    """Wait until ``proc`` has exited (and is collected), at most ``timeout`` seconds.
+
+    Polls ``waitpid`` rather than ``proc.join(timeout)``: join waits for the
+    process's sentinel pipe to close, and a worker forked later holds a copy
+    of it, so join would wait out its whole timeout.
+    """
+    deadline = time.monotonic() + timeout
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- a pool: one worker and its queue
+class Pool:
+    """One worker process, the requests waiting for it, and the thread that watches it."""
+
+    def __init__(self, supervisor, name: str, nice: int):
+        self.sup = supervisor
+        self.name = name
+        self.nice = nice
+        self.cond = threading.Condition()
+        self.waiting = collections.deque()
+        self.suspects = collections.deque()
+        self.worker = None
+        self.solo = None              # the suspect now re-run alone
+        self.thread = None
+        self.closed = False
+        self.wanted = False           # start a worker even with nothing to do (Supervisor.start)
+        self.stale = False            # registrations changed since the worker was forked: replace it when idle
+        self.forked_names = None
+        self.failed_starts = 0
+        self.restarts = 0
+        self.restart_began = None
+        self.restart_times = collections.deque(maxlen=50)
+
+    # ------------------------------------------------------------------ from the event loops
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if self.closed:
+                raise BatcherClosed("the server is shutting down")
+            if self.queue_size() >= self.sup.max_queue:
+                raise BatcherFull(f"{self.queue_size()} requests are waiting (max_queue={self.sup.max_queue}); "
+                                  "try again later")
+            job.pool = self
+            self.waiting.append(job)
+            self.ensure_thread()
+            self._dispatch()
+            self.cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        with self.cond:
+            state = job.state
+            if state in ("done", "cancelled"):
+                return
+            job.state = "cancelled"
+            for q in (self.waiting, self.suspects):
+                try:
+                    q.remove(job)
+                except ValueError:
+                    pass
+            w = job.worker
+            if state in ("sent", "started") and w is not None and not w.doomed:
+                w.outbox.put(wire.packb({"op": "cancel", "id": job.id}))   # it answers, then the job is let go
+
+    def queue_size(self) -> int:
+        w = self.worker
+        sent = sum(1 for j in list(w.jobs.values()) if j.state == "sent") if w is not None else 0
+        return len(self.waiting) + len(self.suspects) + sent
+
+    # ------------------------------------------------------------------ sending (under the lock)
+    def want_worker(self) -> None:
+        """Start a worker even with nothing to do (:meth:`Supervisor.start`)."""
+        with self.cond:
+            self.wanted = True
+            self.ensure_thread()
+            self.cond.notify_all()
+
+    def ensure_thread(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._watch, name=f"asyncinterp-supervisor-{self.name}",
+                                           daemon=True)
+            self.thread.start()
+
+    def _dispatch(self) -> None:
+        w = self.worker
+        if w is None or not w.ready or w.doomed or self.solo is not None:
+            return
+        if self.suspects:
+            job = self.suspects.popleft()
+            self.solo = job
+            self._send(w, job, alone=True)
+            return
+        if self.stale:
+            return
+        while self.waiting:
+            self._send(w, self.waiting.popleft())
+
+    def _send(self, w: WorkerHandle, job: Job, alone: bool = False) -> None:
+        job.state = "sent"
+        job.worker = w
+        w.jobs[job.id] = job
+        if job.forwarded:                       # its first run streamed events that a re-run will repeat
+            job.mailbox.put(("event", True, {"event": "restart"}))
+            job.forwarded = 0
+        w.outbox.put(wire.packb(dict(job.fields, alone=True)) if alone else job.payload)
+
+    # ------------------------------------------------------------------ from the worker (reader thread)
+    def _read(self, w: WorkerHandle) -> None:
+        why = "the pipe closed"
+        try:
+            while True:
+                msg = w.channel.recv()
+                with self.cond:
+                    if not self._on_message(w, msg):
+                        why = f"sent an invalid message ({str(msg)[:200]})"
+                        break
+        except EOFError:
+            pass
+        except (OSError, wire.WireError, ValueError) as exc:
+            why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        with self.cond:
+            w.broken = w.broken or why
+            self.cond.notify_all()
+
+    def _send_loop(self, w: WorkerHandle) -> None:
+        while True:
+            data = w.outbox.get()
+            if data is None:
+                return
+            try:
+                w.channel.send_bytes(data)
+            except (OSError, ValueError) as exc:
+                with self.cond:
+                    w.broken = w.broken or f"cannot write to its pipe ({exc})"
+                    self.cond.notify_all()
+                return
+
+    def _on_message(self, w: WorkerHandle, msg: dict) -> bool:
+        """Apply one message (under the lock); ``False`` if it is not a valid message."""
+        if w.doomed:
+            return True
+        t = msg.get("t")
+        jid = msg.get("id")
+        if t == "ready":
+            w.ready = True
+            self.failed_starts = 0
+            if self.restart_began is not None:
+                self.restart_times.append(time.monotonic() - self.restart_began)
+                self.sup.count("restart_seconds", self.restart_times[-1])
+                self.restart_began = None
+            self._dispatch()
+        elif t == "batch":
+            ids = msg.get("ids")
+            if not isinstance(ids, list):
+                return False
+            now = time.monotonic()
+            jobs = [w.jobs[i] for i in ids if isinstance(i, int) and i in w.jobs]
+            w.batch = [j.id for j in jobs]
+            w.batch_started = now
+            w.batch_deadline = now + max((j.timeout for j in jobs), default=0.0) + sum(j.budget for j in jobs) \
+                + self.sup.options.hang_timeout
+            for j in jobs:
+                if j.state == "sent":
+                    j.state = "started"
+            self.sup.count("batches")
+            self.sup.count("requests", len(jobs))
+        elif t == "batch_end":
+            w.batch = []
+            w.batch_started = w.batch_deadline = None
+        elif t == "event":
+            ev = msg.get("event")
+            if not (isinstance(ev, dict) and ev.get("event") in ("token", "emit", "restart", "error")):
+                return False
+            j = w.jobs.get(jid)
+            if j is not None and j.state in ("sent", "started"):
+                j.forwarded += 1
+                j.mailbox.put(("event", True, ev))
+        elif t == "done":
+            j = w.jobs.pop(jid, None)
+            if j is None:                       # a request it no longer holds (cancelled): ignore
+                return isinstance(jid, int)
+            if j is self.solo:
+                self.solo = None
+            if msg.get("ok") is True:
+                value = msg.get("value")
+                if j.kind == "generate":
+                    if not isinstance(value, dict):
+                        return False
+                    emitted = value.get("emitted") if isinstance(value.get("emitted"), list) else []
+                    value = GenerateResult(value.get("result"), value.get("tokens"), value.get("text"), emitted)
+                j.finish(True, value)
+            else:
+                error = msg.get("error")
+                status = msg.get("status")
+                if not isinstance(error, dict) or not isinstance(status, int):
+                    return False
+                error = {"type": str(error.get("type", "Error"))[:200], "message": str(error.get("message", "")),
+                         "traceback": [str(x) for x in error.get("traceback") or []][:200],
+                         "notes": [str(x) for x in error.get("notes") or []][:50],
+                         "kind": str(error.get("kind", "intervention"))[:50]}
+                j.finish(False, RemoteFailure(status if 400 <= status < 600 else 500, error))
+            self._dispatch()
+        elif t == "oom":
+            log.info("worker %s (pid %s): request %s ran out of memory", self.name, w.proc.pid, jid)
+        else:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ the watch
+    def _watch(self) -> None:
+        while True:
+            with self.cond:
+                if self.closed:
+                    return
+                action = self._inspect(time.monotonic())
+                if action is None:
+                    self.cond.wait(TICK)
+                    continue
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - the watch must go on
+                log.exception("supervisor of the %s worker: an action failed", self.name)
+                time.sleep(TICK)
+
+    def _inspect(self, now):
+        """What to do now (under the lock): a callable, or ``None`` (wait a tick)."""
+        w = self.worker
+        opts = self.sup.options
+        if w is None:
+            if self.waiting or self.suspects or self.wanted:
+                return self._start
+            return None
+        if w.broken is not None or not w.proc.is_alive():
+            return lambda: self._bury(w, None)
+        beat = w.heartbeat.read()
+        if beat != w.beat_seen:
+            w.beat_seen = beat
+            w.beat_at = now
+        if not w.ready:
+            if now - w.born > opts.start_timeout:
+                return lambda: self._kill(w, Cause("start", f"was not ready after {opts.start_timeout:g} s"))
+            return None
+        if now - w.beat_at > opts.hang_timeout:
+            return lambda: self._kill(w, Cause("hung", f"made no progress for {now - w.beat_at:.1f} s"))
+        if w.batch_deadline is not None and now > w.batch_deadline:
+            return lambda: self._kill(w, Cause(
+                "overran", f"was still running its batch {now - w.batch_started:.1f} s after it started, past the "
+                           "batch's hard deadline (its longest time limit, its compute budgets and a grace of "
+                           f"{opts.hang_timeout:g} s)"))
+        if self.stale and not w.jobs:
+            return lambda: self._retire(w)
+        if self.waiting or self.suspects:
+            self._dispatch()                # normally done as requests come and go; this is the safety net
+        return None
+
+    def _start(self) -> None:
+        sup = self.sup
+        with self.cond:
+            if self.closed or self.worker is not None:
+                return
+            if self.failed_starts >= sup.options.max_failed_starts:
+                self._fail_waiting(WorkerUnavailable(
+                    f"the {self.name} worker process failed to start {self.failed_starts} times in a row (see the "
+                    "server's log); the server will try again with the next request"))
+                self.failed_starts = 0
+                self.wanted = False
+                return
+            foreign = [p.worker.heartbeat.map for p in sup.pools.values() if p.worker is not None]
+            self.forked_names = set(sup.server.interventions)
+            self.stale = False
+        try:
+            w = sup.in_server_loop(lambda: self._fork(foreign))
+        except Exception as exc:  # noqa: BLE001 - counted as a failed start; the watch tries again
+            log.error("cannot start the %s worker process: %s: %s", self.name, type(exc).__name__, exc)
+            with self.cond:
+                self.failed_starts += 1
+            time.sleep(min(1.0, 0.1 * self.failed_starts))
+            return
+        for target, role in ((self._read, "reader"), (self._send_loop, "sender")):
+            t = threading.Thread(target=target, args=(w,), name=f"asyncinterp-{role}-{self.name}", daemon=True)
+            w.threads.append(t)
+            t.start()
+        with self.cond:
+            if self.closed:
+                w.doomed = True
+            else:
+                self.worker = w
+                self._dispatch()            # its "ready" may have been read before this line
+                self.cond.notify_all()
+        if w.doomed:
+            self._stop_process(w, 1.0)
+        log.info("started the %s worker process (pid %s)", self.name, w.proc.pid)
+
+    def _fork(self, foreign) -> WorkerHandle:
+        """Fork a worker (in the server's event-loop thread, see :meth:`Supervisor.in_server_loop`).
+
+        The model's run lock is held across the fork: a thread of this process
+        that is running the model would otherwise leave the child a copy of
+        the lock that nobody releases (the child releases its copy first).
+        """
+        sup = self.sup
+        lock = getattr(sup.server.model, "run_lock", None)
+        if lock is not None and not lock.acquire(timeout=5.0):
+            raise RuntimeError("the model is busy in this process (a trace running for over 5 s); a worker is "
+                               "forked only when no thread of the server process runs the model")
+        try:
+            ctx = multiprocessing.get_context("fork")
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            heartbeat = Heartbeat()
+            settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
+                        "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
+                        "release_run_lock": lock is not None}
+            proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, sup.server, settings, foreign),
+                               name=f"asyncinterp-worker-{self.name}", daemon=True)
+            born = time.monotonic()
+            proc.start()
+        finally:
+            if lock is not None:
+                lock.release()
+        child_end.close()
+        return WorkerHandle(proc, Channel(parent_end), heartbeat, born)
+
+    def _kill(self, w: WorkerHandle, cause: Cause) -> None:
+        with self.cond:
+            w.doomed = True
+            w.kill_cause = cause
+            if self.restart_began is None:
+                self.restart_began = time.monotonic()
+        try:
+            os.kill(w.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
+            pass
+        self._bury(w, cause)
+
+    def _bury(self, w: WorkerHandle, cause: Cause | None) -> None:
+        """The worker is dead (or broken): collect it, sort its jobs, blame an offender, start afresh."""
+        with self.cond:
+            w.doomed = True
+            if self.restart_began is None:
+                self.restart_began = time.monotonic()
+        _reap(w.proc, 2.0)
+        if w.proc.is_alive():           # broken but running: finish it
+            try:
+                os.kill(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, OSError):
+                pass
+            _reap(w.proc, 5.0)
+        if cause is None:
+            cause = w.kill_cause or cause_of_exit(w.proc.exitcode, w.broken)
+        w.close_pipe()
+        with self.cond:
+            self._sort(w, cause)
+            if self.worker is w:
+                self.worker = None
+            self.cond.notify_all()
+
+    def _sort(self, w: WorkerHandle, cause: Cause) -> None:
+        """Blame, re-run alone or resend the jobs of dead worker ``w`` (under the lock)."""
+        sup = self.sup
+        sup.count("restarts")
+        sup.count(cause.kind)
+        self.restarts += 1
+        if not w.ready:
+            self.failed_starts += 1
+        jobs = [j for j in w.jobs.values() if j.state != "cancelled"]
+        w.jobs.clear()
+        running = set(w.batch)
+        suspects = [j for j in jobs if j.id in running and j.state == "started"]
+        others = [j for j in jobs if j not in suspects]
+        blamed = None
+        if len(suspects) == 1 and len(w.batch) == 1:        # it ran alone: it is the offender
+            blamed = suspects[0]
+            sup.count("blamed")
+            blamed.finish(False, _failure_for(cause, sup.options, blamed.suspect))
+        else:
+            for j in suspects:
+                j.suspect = True
+            sup.count("reruns", len(suspects))
+        for j in reversed(others):
+            j.state = "waiting"
+            (self.suspects if j.suspect else self.waiting).appendleft(j)
+        if blamed is None:
+            for j in reversed(suspects):
+                j.state = "waiting"
+                self.suspects.appendleft(j)
+        self.solo = None
+        log.warning("the %s worker process (pid %s) %s; %s", self.name, w.proc.pid, cause.detail,
+                    f"request {blamed.id} ran alone and failed" if blamed is not None else
+                    f"re-running {len(suspects)} request(s) of its batch one by one, resending {len(others)}",
+                    extra={"fields": {"event": "worker_restart", "pool": self.name, "cause": cause.kind,
+                                      "suspects": len(suspects), "resent": len(others),
+                                      "blamed": blamed is not None}})
+
+    def _retire(self, w: WorkerHandle) -> None:
+        """Replace an idle worker (interventions were registered after it was forked)."""
+        with self.cond:
+            if w.jobs or self.worker is not w:
+                return
+            w.doomed = True
+            self.worker = None
+        self._stop_process(w, 5.0)
+        log.info("replaced the %s worker process: interventions were registered after it started", self.name)
+
+    def _stop_process(self, w: WorkerHandle, wait: float) -> None:
+        try:
+            w.outbox.put(wire.packb({"op": "exit"}))
+        except Exception:  # noqa: BLE001
+            pass
+        _reap(w.proc, wait)
+        if w.proc.is_alive():
+            try:
+                os.kill(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, OSError):
+                pass
+            _reap(w.proc, 5.0)
+        w.close_pipe()
+
+    def _fail_waiting(self, exc) -> None:
+        for q in (self.waiting, self.suspects):
+            while q:
+                q.popleft().finish(False, exc)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, timeout: float) -> None:
+        with self.cond:
+            self.closed = True
+            self._fail_waiting(BatcherClosed("the server shut down before this request ran"))
+            w = self.worker
+            self.worker = None
+            if w is not None:
+                w.doomed = True
+                for j in list(w.jobs.values()):
+                    j.finish(False, BatcherClosed("the server shut down while this request ran"))
+                w.jobs.clear()
+            self.cond.notify_all()
+        if w is not None:
+            self._stop_process(w, timeout)
+        t = self.thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
+    def describe(self) -> dict:
+        w = self.worker
+        times = list(self.restart_times)
+        return {"pid": w.proc.pid if w is not None else None, "ready": bool(w is not None and w.ready),
+                "restarts": self.restarts, "waiting": len(self.waiting), "rerunning": len(self.suspects),
+                "last_restart_ms": round(1000 * times[-1], 1) if times else None}
+
+
+# --------------------------------------------------------------------------- the batcher-shaped front
+class Supervisor:
+    """Stands where the server's :class:`~.batcher.Batcher` would; the model runs in worker processes.
+
+    ``server``: the :class:`~.app.Server` (its model, registered interventions
+    and limits; the workers are forked from this process and bind
+    interventions with ``server.bind_intervention``). ``isolation``:
+    ``"process"`` or a :class:`ProcessIsolation`. The batching options are the
+    workers' :class:`Batcher`'s.
+    """
+
+    def __init__(self, server, isolation="process", *, max_batch: int = 32, max_wait_ms: float = 5.0,
+                 max_queue: int = 256, exact: bool = False, name: str = "serve"):
+        self.options = isolation if isinstance(isolation, ProcessIsolation) else ProcessIsolation()
+        check_forkable(server.model)
+        self.server = server
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.batcher_options = {"max_batch": max_batch, "max_wait_ms": max_wait_ms, "exact": exact,
+                                "max_queue": 1 << 20}
+        self.name = name
+        self.counts = collections.Counter()
+        self.counts_lock = threading.Lock()
+        self.pools = {"trusted": Pool(self, "trusted", 0)}
+        if self.options.code_worker:
+            self.pools["code"] = Pool(self, "code", self.options.code_nice)
+        self.loop = None            # the server's event loop (workers are forked there, see in_server_loop)
+        self.closed = False
+
+    @property
+    def stats(self) -> dict:
+        """Counts: ``batches``, ``requests``, ``restarts``, ``reruns``, ``blamed``, and one per cause of death
+        (``hung``, ``overran``, ``crashed``, ``out_of_memory``, ``exited``, ``broken``, ``start``)."""
+        with self.counts_lock:
+            out = {"batches": 0, "requests": 0, "restarts": 0, "reruns": 0, "blamed": 0}
+            out.update(self.counts)
+        return out
+
+    def count(self, key: str, n=1) -> None:
+        with self.counts_lock:
+            self.counts[key] += n
+
+    def in_server_loop(self, fn, timeout: float = 10.0):
+        """``fn()`` run in the server's event-loop thread, between its callbacks; returns its result.
+
+        Workers are forked there: request handling (tokenizing, checking and
+        compiling submitted code) runs in that thread, so at that moment it
+        holds none of the locks a worker will need (a fork copies locks as
+        they are, held ones included). Before the first request (no loop
+        yet), ``fn()`` runs in the calling thread.
+        """
+        loop = self.loop
+        if loop is None:
+            return fn()
+        lock = threading.Lock()
+        done = threading.Event()
+        box = {"state": "queued"}
+
+        def call():
+            with lock:
+                if box["state"] != "queued":
+                    return
+                box["state"] = "running"
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["exc"] = exc
+            finally:
+                done.set()
+
+        loop.call_soon(call)
+        if not done.wait(timeout):
+            with lock:
+                if box["state"] == "queued":
+                    box["state"] = "abandoned"
+                    raise RuntimeError(f"the server's event loop did not run the fork within {timeout:g} s")
+            done.wait()
+        if "exc" in box:
+            raise box["exc"]
+        return box["value"]
+
+    # ------------------------------------------------------------------ what the server calls
+    def remote(self, spec) -> WorkerSpec:
+        """The intervention ``spec`` (already checked by the server) as it travels to a worker."""
+        ws = WorkerSpec(spec)
+        if not ws.submitted:
+            pool = self.pools["trusted"]
+            with pool.cond:
+                if pool.forked_names is not None and ws.spec.get("name") not in pool.forked_names:
+                    pool.stale = True       # registered after the fork: replace the worker when it is idle
+        return ws
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the worker processes now (instead of at the first request) and wait until they are ready."""
+        pools = [p for n, p in self.pools.items() if n == "trusted" or self.server.allow_code]
+        for p in pools:
+            p.want_worker()
+        deadline = time.monotonic() + (timeout or self.options.start_timeout)
+        for p in pools:
+            while not (p.worker is not None and p.worker.ready):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the {p.name} worker process did not start within "
+                                       f"{timeout or self.options.start_timeout:g} s")
+                time.sleep(0.01)
+
+    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"a supervised server takes no invoke options ({sorted(kwargs)})")
+        job = self._submit("trace", input, fns, timeout, {})
+        return await self._wait(job)
+
+    async def generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
+                       on_cancel=None, meter=None, **generate_kwargs) -> GenerateResult:
+        job = self._submit("generate", input, fns, timeout, {"max_new_tokens": max_new_tokens,
+                                                               "gen": generate_kwargs, "stream": False})
+        return await self._wait(job)
+
+    def stream_generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
+                        on_cancel=None, meter=None, **generate_kwargs) -> "SupervisedStream":
+        job = self._submit("generate", input, fns, timeout, {"max_new_tokens": max_new_tokens,
+                                                               "gen": generate_kwargs, "stream": True})
+        return SupervisedStream(job)
+
+    def queue_size(self) -> int:
+        return sum(p.queue_size() for p in self.pools.values())
+
+    def health(self) -> dict:
+        return {"isolation": "process", "workers": {n: p.describe() for n, p in self.pools.items()}}
+
+    def restart_times(self) -> list:
+        """Seconds from each worker's death to its successor being ready (the last 50 per pool)."""
+        return [t for p in self.pools.values() for t in p.restart_times]
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.closed = True
+        for p in self.pools.values():
+            p.close(timeout)
+
+    async def aclose(self) -> None:
+        await aio.to_thread(self.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    # ------------------------------------------------------------------ internals
+    def _submit(self, kind, input, fns, timeout, fields) -> Job:
+        if self.closed:
+            raise BatcherClosed("the server is shutting down")
+        if self.loop is None:
+            self.loop = aio.LoopHandle()
+        spec = fns[0] if fns else None
+        if len(fns) > 1 or (spec is not None and not isinstance(spec, WorkerSpec)):
+            raise TypeError("a supervised server runs one intervention per request, described by "
+                            "Supervisor.remote(spec) (functions of this process cannot run in a worker)")
+        timeout = float(self.server.timeout if timeout is None else timeout)
+        submitted = spec is not None and spec.submitted
+        budget = min(self.server.code_budget, timeout) if submitted else 0.0
+        pool = self.pools["code" if submitted and "code" in self.pools else "trusted"]
+        # the server waits at most this long in all (worker restarts and re-runs included); the worker's own
+        # limits and the hard deadlines end every request well before
+        guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
+        job = Job(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
+                  guard)
+        pool.submit(job)
+        return job
+
+    async def _wait(self, job: Job):
+        try:
+            while True:
+                kind, ok, value = await _next(job)
+                if kind == "done":
+                    break
+        except BaseException:
+            job.pool.cancel(job)
+            raise
+        if not ok:
+            raise value
+        return value
+
+
+async def _next(job: Job):
+    with aio.fail_at(job.guard):
+        return await job.mailbox.get()
+
+
+class SupervisedStream:
+    """Async iterator over a streaming generation's events, as :class:`~.batcher.GenerationStream`."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            kind, ok, value = await _next(self.job)
+        except BaseException:
+            await self.aclose()
+            raise
+        if kind == "event":
+            return value
+        self.done = True
+        if not ok:
+            raise value
+        return {"event": "done", "result": value}
+
+    async def aclose(self):
+        self.done = True
+        self.job.pool.cancel(self.job)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
