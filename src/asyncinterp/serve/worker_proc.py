@@ -98,6 +98,7 @@ def prepare(settings: dict, keep_fd: int, foreign_maps=()) -> None:
     _die_with_parent(settings["server_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C goes to the server, which shuts workers down
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.disable()   # a fatal signal kills at once (no inherited traceback dump delaying the crash report)
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: every thread's stack on stderr
     _seal_sockets(keep_fd)
     for m in foreign_maps:                          # other workers' heartbeats
