@@ -227,6 +227,18 @@ class _Request:
         if self.state != "cancelled":
             self.mailbox.put(("event", True, item))
 
+    def finish(self, model) -> None:
+        """Deliver the result of this request's finished invoke (a value, or a generation's result)."""
+        if self.kind == "generate":
+            self.finish_generation(model.tokenizer)
+            return
+        try:
+            value = self.invoke.result
+        except BaseException as exc:  # noqa: BLE001
+            self.deliver(False, exc)
+        else:
+            self.deliver(True, value)
+
     def finish_generation(self, tokenizer, early=False) -> None:
         """Deliver this generation request's result: its value, tokens and text (``early``: it left the run)."""
         if self.finished:
@@ -583,15 +595,8 @@ class Batcher:
             if isinstance(err, RunCancelled) or self._closed:
                 err = BatcherClosed("the batcher was closed while this request ran")
             req.deliver(False, err)
-        elif req.kind == "generate":
-            req.finish_generation(self.model.tokenizer)
         else:
-            try:
-                value = req.invoke.result
-            except BaseException as exc:  # noqa: BLE001
-                req.deliver(False, exc)
-            else:
-                req.deliver(True, value)
+            req.finish(self.model)
 
     # ------------------------------------------------------------------ worker
     def _worker(self):
@@ -708,16 +713,8 @@ class Batcher:
                 run.run()
         finally:
             self._current = None
-        for idx, r in requests.items():
-            if generating:
-                r.finish_generation(model.tokenizer)
-            else:
-                try:
-                    value = r.invoke.result
-                except BaseException as exc:  # noqa: BLE001
-                    r.deliver(False, exc)
-                else:
-                    r.deliver(True, value)
+        for r in requests.values():
+            r.finish(model)
 
 
 async def _next_item(req, deadline):

@@ -344,10 +344,7 @@ class VLLMRun(Trace):
             groups = set()
             while self._cancels:
                 groups.add(self._cancels.pop())
-            ids = [inv.request_id for inv in self.invokes if inv.index in groups and inv.request_id in self.pending]
-            if ids:
-                _abort(engine, ids)
-                self.pending.difference_update(ids)
+            self._abort_invokes(engine, groups)
             if self.opened:
                 self.model.cancel_groups(self.key, sorted(groups))
 
@@ -355,6 +352,7 @@ class VLLMRun(Trace):
         """Take this step's outputs of the run's requests and what its worker run reports."""
         halted = False
         ended = ()
+        listener = self.listener
         if status is not None:
             halted, steps, stopped, events = status
             if outs and not self._stepped and not halted and steps == 0:
@@ -363,13 +361,11 @@ class VLLMRun(Trace):
                     f"fire. {_COMPILE_HINT}.")
             ended = set(stopped) - self._stop_seen
             self._stop_seen |= ended
-            listener = self.listener
             if events and listener is not None:
                 for index, item in events:
                     listener.on_event(index, item)
         if outs:
             self._stepped = True
-        listener = self.listener
         for out in outs:
             inv = self._by_id[out.request_id]
             if inv.cached_tokens is None:
@@ -387,12 +383,16 @@ class VLLMRun(Trace):
                 _abort(engine, list(self.pending))
                 self.pending.clear()
         elif ended:
-            ids = [inv.request_id for inv in self.invokes if inv.index in ended and inv.request_id in self.pending]
-            if ids:
-                _abort(engine, ids)
-                self.pending.difference_update(ids)
+            self._abort_invokes(engine, ended)
         if self.pending and idle:
             self.pending.clear()    # the engine has nothing left to run: they were dropped
+
+    def _abort_invokes(self, engine, groups) -> None:
+        """Abort the still-running requests of these invokes (in the engine alone)."""
+        ids = [inv.request_id for inv in self.invokes if inv.index in groups and inv.request_id in self.pending]
+        if ids:
+            _abort(engine, ids)
+            self.pending.difference_update(ids)
 
     def fail(self, exc) -> None:
         """Something outside the interventions failed (admission, the engine): abort, remember ``exc``."""
