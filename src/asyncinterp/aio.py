@@ -169,6 +169,28 @@ async def to_thread(fn, *args):
     return await anyio.to_thread.run_sync(fn, *args)
 
 
+class Closable:
+    """``with``, ``async with`` and ``aclose()`` for an object whose ``close()`` blocks (joins threads)."""
+
+    def close(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        await to_thread(self.close)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+
 class Watched:
     """What :func:`run_watched` found: ``stopped`` (the watcher returned first), else ``value`` or ``exc``."""
 

@@ -471,21 +471,30 @@ class Run:
         """True while an intervention calls a module ad hoc (no point fires)."""
         return self._adhoc > 0
 
-    def _deliver(self, key, firing) -> bool:
-        """Resume the tasks waiting on ``key`` with ``firing``; True if the model must stop now."""
+    def _deliver(self, key, entry, get_view, interrupt=True):
+        """Resume the tasks waiting on ``key``, with ``get_view`` making each task's view.
+
+        ``entry`` (a ``Firing`` or the bare value) is what ``firing(key)`` answers
+        meanwhile. Returns the entry afterwards: a ``Firing`` if a task replaced a
+        bare value (see ``_upgrade``). Raises ``StopForward`` when the model must
+        stop now, unless ``interrupt`` is false.
+        """
         active = self._active
         prev = active.get(key)
-        active[key] = firing
+        active[key] = entry
         kernel = self.kernel
         try:
-            kernel.provide(key, firing.view_for)
+            kernel.provide(key, get_view)
         finally:
+            entry = active[key]
             if prev is None:
                 del active[key]
             else:
                 active[key] = prev
-        return bool(kernel.failures or kernel.stop_requested or self.cancelled) and (
-            kernel.interrupted or self.cancelled)
+        if interrupt and (kernel.failures or kernel.stop_requested or self.cancelled) and (
+                kernel.interrupted or self.cancelled):
+            raise StopForward()
+        return entry
 
     def _tapped(self, key, final) -> None:
         taps = self._taps.get(key)
@@ -510,21 +519,7 @@ class Run:
                         for group, value, _ in skips:
                             entry.replace(group, point, value)
                 get_view = entry.view_for
-            # what _deliver does, inline (this runs for every firing)
-            kernel = self.kernel
-            active = self._active
-            prev = active.get(point)
-            active[point] = entry
-            try:
-                kernel.provide(point, get_view)
-            finally:
-                entry = active[point]   # a Firing now if a task replaced the value
-                if prev is None:
-                    del active[point]
-                else:
-                    active[point] = prev
-            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
-                raise StopForward()
+            entry = self._deliver(point, entry, get_view)
             result = entry.result() if type(entry) is Firing and entry.replaced else None
             if self._taps:
                 self._tapped(point, output if result is None else result)
@@ -544,20 +539,7 @@ class Run:
             else:
                 entry = Firing(point, value, layout)
                 get_view = entry.view_for
-            kernel = self.kernel
-            active = self._active
-            prev = active.get(point)
-            active[point] = entry
-            try:
-                kernel.provide(point, get_view)
-            finally:
-                entry = active[point]
-                if prev is None:
-                    del active[point]
-                else:
-                    active[point] = prev
-            if (kernel.failures or kernel.stop_requested or self.cancelled) and (kernel.interrupted or self.cancelled):
-                raise StopForward()
+            entry = self._deliver(point, entry, get_view)
             new = entry.result() if type(entry) is Firing and entry.replaced else None
             if self._taps:
                 self._tapped(point, (args, kwargs) if new is None else new)
@@ -588,8 +570,7 @@ class Run:
         firings inside a backward pass).
         """
         firing = Firing(point, value, self.layout)
-        if self._deliver(point.key, firing) and interrupt:
-            raise StopForward()
+        self._deliver(point.key, firing, firing.view_for, interrupt)
         new = firing.result()
         if self._taps:
             self._tapped(point.key, value if new is None else new)

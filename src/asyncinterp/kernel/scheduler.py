@@ -245,35 +245,12 @@ class Kernel:
         if entries is None:
             return
         active = self.active
-        if len(entries) == 1:
-            task, call, trap = entries[0]
+        if len(entries) == 1:   # the common case: no filtering, no sort
+            due = entries
+            (task, call, _), = due
             if call != n or (active is not None and task.group not in active):
                 return
             del waiters[key]
-            if task.done or task.waiting is not trap:
-                return
-            # one waiter (the common case): resume it without the loop below
-            previous = self.current_point
-            self.current_point = trap
-            try:
-                task.waiting = None  # a point wait has no abort: nothing else to reset
-                if task.step != self.step:  # a wait carried over from a step its invoke sat out
-                    task.step = self.step
-                    task.consumed = {}
-                task.consumed[key] = n + 1
-                task.position = trap
-                try:
-                    value = get_value(task, trap)
-                except Exception as exc:  # a view that cannot be built: the task's problem
-                    self._resume(task, None, exc)
-                else:
-                    task.last_value = value
-                    self._resume(task, value, None)
-                if self.ready:
-                    self.drain()
-            finally:
-                self.current_point = previous
-            return
         else:
             due = [e for e in entries if e[1] == n and (active is None or e[0].group in active)]
             if not due:

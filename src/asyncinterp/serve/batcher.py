@@ -356,7 +356,7 @@ def _freeze(obj):
 
 
 # --------------------------------------------------------------------------- the batcher
-class Batcher:
+class Batcher(aio.Closable):
     """Coalesce concurrent ``trace``/``generate`` requests into shared runs of ``model``.
 
     ``max_batch``: most requests in one run. ``max_wait_ms``: how long the
@@ -455,21 +455,6 @@ class Batcher:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
-
-    async def aclose(self) -> None:
-        await aio.to_thread(self.close)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.aclose()
 
     # ------------------------------------------------------------------ submitting
     def _make(self, kind, input, fns, kwargs, gen, max_new_tokens, on_cancel, stream, meter=None):

@@ -739,7 +739,7 @@ class Pool:
 
 
 # --------------------------------------------------------------------------- the batcher-shaped front
-class Supervisor:
+class Supervisor(aio.Closable):
     """Stands where the server's :class:`~.batcher.Batcher` would; the model runs in worker processes.
 
     ``server``: the :class:`~.app.Server` (its model, registered interventions
@@ -875,21 +875,6 @@ class Supervisor:
         self.closed = True
         for p in self.pools.values():
             p.close(timeout)
-
-    async def aclose(self) -> None:
-        await aio.to_thread(self.close)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.aclose()
 
     # ------------------------------------------------------------------ internals
     def _submit(self, kind, input, fns, timeout, fields) -> Job:
