@@ -148,14 +148,20 @@ class Server:
     intervention run in supervised worker processes that are killed and
     restarted when they hang, crash or run out of memory (see
     :mod:`.supervisor`); this process keeps checking requests as before.
+    ``prompt_tokens_details``: OpenAI answers report
+    ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the engine
+    took from its prefix cache; vLLM only). Off by default, as in vLLM's
+    server: the count tells a client whether *other* clients sent the same
+    prompt prefix (see docs/serving.md, "Prefix cache").
     """
 
     def __init__(self, model, *, api_keys=None, allow_code: bool = False, max_batch: int = 32,
                  max_wait_ms: float = 5.0, max_queue: int = 256, timeout: float = 30.0, code_budget: float = 1.0,
                  max_body_bytes: int = 1 << 20, max_new_tokens: int = 256, max_prompt_tokens: int | None = None,
                  exact: bool = False, name: str | None = None, builtin_interventions: bool = True,
-                 batcher: Batcher | None = None, isolation="thread"):
+                 batcher: Batcher | None = None, isolation="thread", prompt_tokens_details: bool = False):
         self.model = model
+        self.prompt_tokens_details = bool(prompt_tokens_details)
         self.name = name or type(getattr(model, "module", model)).__name__
         self.api_keys = [k.encode() for k in (api_keys or []) if k]
         self.allow_code = allow_code
@@ -649,7 +655,13 @@ class Server:
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
         fns = (fn,) if fn is not None else ()
-        shaper = openai_compat.Shaper(req, n, length, openai_compat.eos_ids(self.model), fn is not None)
+        if req.cache_salt is not None and callable(getattr(self.model, "submit", None)):
+            # vLLM: the engine's run salts a plain request's prefix cache with it; a request with an intervention
+            # gets a salt of its own instead (VLLMRun.cache_salt). Other engines share no cache between requests.
+            ids = x if isinstance(x, list) else list(self.model.tokenizer(x)["input_ids"])
+            x = {"prompt_token_ids": ids, "cache_salt": req.cache_salt}
+        shaper = openai_compat.Shaper(req, n, length, openai_compat.eos_ids(self.model), fn is not None,
+                                      self.prompt_tokens_details)
         options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter, **req.generate)
         if req.stream:
             try:

@@ -69,6 +69,7 @@ class GenerateResult:
     tokens: list            # generated ids (through the first end-of-sequence token)
     text: str
     emitted: list = field(default_factory=list)   # values the intervention emitted, in order
+    cached_tokens: int | None = None   # prompt tokens the engine took from its prefix cache (vLLM; else None)
 
 
 # --------------------------------------------------------------------------- time accounting
@@ -253,7 +254,7 @@ class _Request:
         self.stream_tokens(tokenizer, final=True)
         single = len(rows) == 1
         self.deliver(True, GenerateResult(value, rows[0] if single else rows, texts[0] if single else texts,
-                                          list(self.emitted)))
+                                          list(self.emitted), getattr(self.invoke, "cached_tokens", None)))
 
     def stream_tokens(self, tokenizer, final=False) -> None:
         """A streaming request: send a ``token`` event for each token generated since the last call."""

@@ -53,6 +53,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="the engine's random seed")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vllm.LLM keyword (repeatable; VALUE is parsed as JSON when it can be)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="OpenAI answers report usage.prompt_tokens_details.cached_tokens (vLLM's prefix-cache hits; "
+                        "tells clients whether others sent the same prompt prefix, see docs/serving.md)")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -231,7 +234,7 @@ def _serve(args, model, keys, log) -> int:
                     code_budget=args.code_budget, max_body_bytes=args.max_body_bytes,
                     max_new_tokens=args.max_new_tokens, exact=args.exact,
                     name=args.served_model_name or args.model, builtin_interventions=not args.no_builtins,
-                    isolation=isolation)
+                    isolation=isolation, prompt_tokens_details=args.enable_prompt_tokens_details)
     for path in args.interventions:
         load_interventions(server, path)
     if server.supervised:   # fork the workers now: after the interventions are registered, before any request

@@ -48,12 +48,15 @@ _NEUTRAL = {
     "audio": (None,), "prediction": (None,),
 }
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", EXT}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+           "cache_salt", EXT}
 _FIELDS = {
     "completions": _COMMON | {"prompt"},
     "chat": _COMMON | {"messages", "max_completion_tokens"},
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_CACHE_SALT = 128                       # vLLM's server: at most 128 characters, none of '@', '/', '\\', NUL
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 def _bad(message, param=None):
@@ -78,6 +81,7 @@ class OpenAIRequest:
     include_usage: bool = False
     intervention: dict | None = None                # the server's native spec, or None
     timeout: float | None = None
+    cache_salt: str | None = None                   # vLLM's prefix-cache salt (plain requests only, see docs)
 
     @property
     def max_tokens_param(self) -> str:
@@ -144,8 +148,20 @@ def parse_request(kind: str, obj: dict, registered: dict) -> OpenAIRequest:
         if type(usage) is not bool:
             raise _bad("stream_options.include_usage must be true or false", "stream_options")
         req.include_usage = usage
+    req.cache_salt = _cache_salt(obj.get("cache_salt"))
     req.intervention, req.timeout = _extension(obj.get(EXT), registered)
     return req
+
+
+def _cache_salt(value):
+    """vLLM's ``cache_salt`` field, checked as vLLM's server checks it."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT or any(
+            c in _SALT_FORBIDDEN for c in value):
+        raise _bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters without "
+                   "'@', '/', '\\' or NUL", "cache_salt")
+    return value
 
 
 def _prompt(value):
@@ -358,10 +374,13 @@ class Shaper:
 
     ``prompt_tokens``: the prompt's length; ``eos``: end-of-sequence ids
     (a finish reason of ``"stop"``); ``extension``: whether to add the
-    ``asyncinterp`` field (the request carried an intervention).
+    ``asyncinterp`` field (the request carried an intervention);
+    ``details``: whether usage reports ``prompt_tokens_details.cached_tokens``
+    (when the engine counts them: vLLM).
     """
 
-    def __init__(self, req: OpenAIRequest, max_tokens: int, prompt_tokens: int, eos, extension: bool):
+    def __init__(self, req: OpenAIRequest, max_tokens: int, prompt_tokens: int, eos, extension: bool,
+                 details: bool = False):
         self.req = req
         self.chat = req.kind == "chat"
         self.object = "chat.completion" if self.chat else "text_completion"
@@ -371,6 +390,7 @@ class Shaper:
         self.prompt_tokens = prompt_tokens
         self.eos = frozenset(eos)
         self.extension = extension
+        self.details = details
         # streaming state
         self.text = ""           # the generated text so far (all token events)
         self.sent = ""           # what went out (never past a stop string)
@@ -384,9 +404,14 @@ class Shaper:
             return "stop"
         return "length"
 
-    def usage(self, n_tokens):
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n_tokens,
-                "total_tokens": self.prompt_tokens + n_tokens}
+    def usage(self, g):
+        n_tokens = len(g.tokens)
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": n_tokens,
+               "total_tokens": self.prompt_tokens + n_tokens}
+        cached = getattr(g, "cached_tokens", None)
+        if self.details and cached is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
 
     def ext(self, g):
         return {"result": to_json(g.result), "emitted": _emitted(g.emitted)}
@@ -402,7 +427,7 @@ class Shaper:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.req.model,
-               "choices": [choice], "usage": self.usage(len(tokens))}
+               "choices": [choice], "usage": self.usage(g)}
         if self.extension:
             out[EXT] = self.ext(g)
         return out
@@ -490,7 +515,7 @@ class Shaper:
         out.append(self._chunk([self._piece(None if self.chat else "", reason=self.finish_reason(tokens, hit))],
                                **extra))
         if self.req.include_usage:
-            out.append(self._chunk([], usage=self.usage(len(tokens))))
+            out.append(self._chunk([], usage=self.usage(g)))
         out.append(DONE)
         return b"".join(out)
 

@@ -295,10 +295,7 @@ class VLLMRun(Trace):
     def admit(self, loop) -> bool:
         """Add the requests and open the worker run. ``False``: the run failed and is already finished.
 
-        A run with interventions gives each of its requests a cache salt of its own: its KV blocks are
-        neither read from vLLM's prefix cache (so it sees, and can edit, every prompt position) nor
-        reused by any other request (so its edits cannot leak into another request's outputs). Plain
-        runs share the cache as usual.
+        Each request gets :meth:`cache_salt`'s salt (the prefix cache is shared only between equal salts).
         """
         model = self.model
         engine = loop.engine
@@ -310,8 +307,9 @@ class VLLMRun(Trace):
                     continue
                 ext = f"{self.key}-{inv.index}"
                 prompt = {"prompt_token_ids": list(inv.prompt_ids)}
-                if salted:
-                    prompt["cache_salt"] = f"asyncinterp-{os.getpid()}-{ext}"
+                salt = self.cache_salt(inv)
+                if salt is not None:
+                    prompt["cache_salt"] = salt
                 internal[inv.index] = engine.add_request(ext, prompt, inv.params)
                 inv.request_id = ext
                 self._by_id[ext] = inv
@@ -332,6 +330,22 @@ class VLLMRun(Trace):
             self.close()
             return False
         return True
+
+    def cache_salt(self, inv) -> str | None:
+        """The ``cache_salt`` of ``inv``'s vLLM request: vLLM shares KV blocks only between equal salts.
+
+        A run with interventions gives each of its requests a salt of its own, whatever its input asked
+        for: its blocks are neither read from vLLM's prefix cache (so it sees, and can edit, every prompt
+        position) nor reused by any other request (so its edits cannot leak into another request's
+        outputs). A plain request shares the cache: with everybody (no salt), or, when its input is a
+        mapping with a ``cache_salt`` (as vLLM's prompts take), with the requests that give the same salt.
+        Those salts are namespaced (``user-...``) so that no input can name one of ours (``asyncinterp-...``).
+        """
+        if self.intervened:
+            return f"asyncinterp-{os.getpid()}-{self.key}-{inv.index}"
+        from collections.abc import Mapping
+        salt = inv.input.get("cache_salt") if isinstance(inv.input, Mapping) else None
+        return None if salt is None else f"user-{salt}"
 
     def before_step(self, engine) -> None:
         """Apply cancellations: the run's (or some invokes') requests leave the engine now."""
@@ -491,6 +505,9 @@ def _prompt_ids(input, tokenizer) -> list:
         key = "prompt_token_ids" if "prompt_token_ids" in input else "input_ids"
         if key not in input:
             raise ValueError(f"a mapping input needs 'prompt_token_ids' or 'input_ids', got keys {sorted(input)}")
+        salt = input.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         ids = input[key]
         if isinstance(ids, torch.Tensor):
             if ids.dim() == 2 and ids.shape[0] == 1:
