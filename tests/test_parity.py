@@ -422,3 +422,24 @@ def test_vllm_gradients_raise_clearly(engines):
     for fn in (grad, backward):
         with pytest.raises(PointUnavailableError, match="inference_mode"):
             vm.trace(PROMPT, fn)
+
+
+@pytest.mark.vllm
+def test_submitted_code_uses_the_same_names_on_both_engines(engines):
+    """Code submitted to a server (the sandbox) reads and writes semantic points on vLLM as on transformers."""
+    from asyncinterp.serve.sandbox import Program
+    lm, vm = engines
+    src = '''
+async def f(m):
+    q = await m.layers[1].attn.q
+    mid = await m.layers[1].resid_mid
+    m.layers[1].mlp.post = (await m.layers[1].mlp.post) * 3
+    return {"q": q, "mid": mid, "logits": await m.logits}
+'''
+    with torch.no_grad():
+        hf = lm.trace(PROMPT, Program(src).bind({})[0])
+        clean = lm.trace(PROMPT, read_points(0))["logits"]
+    vl = vm.trace(PROMPT, Program(src).bind({})[0])
+    assert (hf["logits"] - clean).abs().max() > 1e-3          # the write went through
+    for k in hf:
+        torch.testing.assert_close(vl[k], hf[k], rtol=1e-4, atol=1e-4, msg=lambda s, k=k: f"{k}: {s}")

@@ -339,3 +339,42 @@ def test_meter_credit_is_other_requests_time():
     c = Meter()
     c.attach(ledger)
     assert c.credit() == 0.0                              # only time after it was queued
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_standard_names_and_semantic_points_in_submitted_code(family):
+    """Submitted code speaks the same names as local code (layers, attn, mlp; resid_*, attn.q/k/v/pattern,
+    mlp.pre/post, logits): reads equal the local run, writes take effect, parameters stay out of reach."""
+    model = tiny(family)
+    src = '''
+async def f(m, layer):
+    pre = await m.layers[layer].resid_pre
+    q = await m.layers[layer].attn.q
+    p = await m.layers[layer].attn.pattern
+    mid = await m.layers[layer].resid_mid
+    act = await m.layers[layer].mlp.post
+    m.layers[layer].resid_post = (await m.layers[layer].resid_post) * 0.5
+    return {"pre": pre, "q": q, "p": p, "mid": mid, "act": act, "logits": await m.logits}
+'''
+    out, _ = run_submitted(model, src, {"layer": 0})
+
+    async def local(m, layer):
+        pre = (await m.layers[layer].resid_pre).clone()
+        q = (await m.layers[layer].attn.q).clone()
+        p = (await m.layers[layer].attn.pattern).clone()
+        mid = (await m.layers[layer].resid_mid).clone()
+        act = (await m.layers[layer].mlp.post).clone()
+        m.layers[layer].resid_post = (await m.layers[layer].resid_post) * 0.5
+        return {"pre": pre, "q": q, "p": p, "mid": mid, "act": act, "logits": (await m.logits).clone()}
+
+    ref = model.trace("Hello there world", lambda m: local(m, 0))
+    async def logits(m):
+        return (await m.logits).clone()
+
+    plain = model.trace("Hello there world", logits)
+    for k in ref:
+        assert torch.equal(out[k], ref[k]), k
+    assert not torch.allclose(out["logits"], plain)      # the write went through
+    for expr in ("m.layers[0].attn.weight", "m.layers[0].mlp.training", "m.layers.weight"):
+        with pytest.raises(AttributeError, match="no submodule or hook point"):
+            run_submitted(model, f"async def f(m):\n    return {expr}\n")

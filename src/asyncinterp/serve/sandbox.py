@@ -62,7 +62,10 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from ..hooks.aliases import resolve as resolve_alias
+from ..hooks.envoy import SEMANTIC_NAMES, Envoy
 from ..hooks.modules import submodules
+from ..hooks.points import Point
 from .batcher import Meter
 
 MAX_SOURCE_CHARS = 20_000
@@ -138,7 +141,7 @@ def _where(node) -> str:
     return f"line {getattr(node, 'lineno', '?')}"
 
 
-POINT_NAMES = frozenset({"output", "input", "inputs", "logits", "tokens"})
+POINT_NAMES = frozenset({"output", "input", "inputs", "logits", "tokens"}) | SEMANTIC_NAMES
 
 
 class _Checker(ast.NodeVisitor):
@@ -1255,6 +1258,21 @@ class SafePoint:
         return repr(object.__getattribute__(self, "_point"))
 
 
+def _standard(envoy, name):
+    """A standard name below ``envoy`` for submitted code: an alias (``layers``, ``attn``, ``mlp``) as a
+    :class:`SafeEnvoy`, a semantic point (``resid_mid``, ``attn.q``, ``logits``) as a :class:`SafePoint`;
+    ``None`` for anything else (module attributes, parameters and buffers stay out of reach)."""
+    found = resolve_alias(envoy, name)
+    if isinstance(found, Envoy):
+        return SafeEnvoy(found, False)
+    if name in SEMANTIC_NAMES:
+        made = envoy.points.get(name) or envoy.root.build_semantic_point(envoy, name)
+        if isinstance(made, Point):
+            envoy.points[name] = made
+            return SafePoint(made)
+    return None
+
+
 class SafeEnvoy:
     """The model as submitted code sees it: submodules, hook points, skip, ad-hoc calls; no parameters."""
 
@@ -1278,6 +1296,9 @@ class SafeEnvoy:
             return SafeEnvoy(envoy.child(name), False)
         if name in self._points():
             return SafePoint(getattr(envoy, name))
+        found = _standard(envoy, name)
+        if found is not None:
+            return found
         if name == "path":
             return envoy.path
         if name == "skip":
@@ -1297,6 +1318,10 @@ class SafeEnvoy:
         envoy = object.__getattribute__(self, "_envoy")
         if name in self._points():
             SafePoint(getattr(envoy, name)).replace(value)
+            return
+        found = _standard(envoy, name)
+        if isinstance(found, SafePoint):    # a semantic point: m.layers[1].resid_post = h
+            found.replace(value)
             return
         raise AttributeError(f"cannot set {name!r}: only hook points can be assigned")
 
