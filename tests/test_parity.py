@@ -20,6 +20,7 @@ import asyncinterp as ai
 from asyncinterp.hooks.semantic import PointUnavailableError
 from asyncinterp.kernel.errors import ReplacementError
 from parity_helpers import PROMPT, VLLM_EDITS, edit_point, read_each_step, read_points
+from vllm_helpers import tiny_dir, engines  # noqa: F401 - fixtures are found by name
 
 LAYER = 1
 
@@ -292,22 +293,6 @@ def test_unused_semantic_points_cost_nothing():
 
 
 # ------------------------------------------------------------------ vLLM: same weights, same values
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from vllm_helpers import make_tiny_dir, require_vllm
-    require_vllm()
-    return make_tiny_dir(tmp_path_factory.mktemp("parity") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_dir):
-    from vllm_helpers import ENGINE, hf_model
-    vm = ai.VLLM(tiny_dir, **ENGINE)
-    lm = ai.LanguageModel(hf_model(tiny_dir), vm.tokenizer)
-    yield lm, vm
-    vm.close()
-
 
 @pytest.mark.vllm
 def test_vllm_reads_equal_transformers(engines):

@@ -14,24 +14,11 @@ import httpx
 import pytest
 import torch
 
-from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, Client, RemoteError
 from test_serve_http import KEY, PROMPTS, Live, last, make_server
+from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
 
 INNOCENT = PROMPTS[1:4]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)   # deterministic BLAS: batched results bit-equal to solo runs
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny("gpt2")
 
 
 @pytest.fixture(scope="module")

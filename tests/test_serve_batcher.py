@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.models import tiny
 from asyncinterp.serve import Batcher, BatcherClosed, BatcherFull, emit
+from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
 
 # Prompts of 5 GPT-2 tokens each (with exact=True they share a forward without padding).
 # Tests that assert how requests were grouped use max_batch = their number of requests and a long
@@ -18,20 +18,6 @@ from asyncinterp.serve import Batcher, BatcherClosed, BatcherFull, emit
 SAME_LEN = ["The cat sat on the", "A dog ran into a", "One two three four five", "Paris is the capital of",
             "I like green tea and", "We went to the big", "She said that he was", "It is a very good"]
 MIXED = ["Hello", "The Eiffel Tower is in the city of", "a b c", "Once upon a time there", "x y z w v u t s r q"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Deterministic BLAS in this process (multi-threaded MKL splits work by problem size)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny("gpt2")
 
 
 def run(coro):

@@ -19,9 +19,9 @@ import httpx
 import pytest
 import torch
 
-from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, RemoteError
 from test_serve_http import KEY, PROMPTS, Live, last, make_server
+from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
 
 GROUP = 5                 # requests per batch in the grouped tests
 BUDGET = 1.5              # the grouped server's code_budget (CPU seconds)
@@ -70,19 +70,6 @@ async def f(m):
     h = await m.transformer.h[1].output
     raise ValueError("crashing on purpose")
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)   # deterministic BLAS: batched results bit-equal to solo runs
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny("gpt2")
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, Client, RemoteError, Server
 from asyncinterp.serve import wire
 from asyncinterp.serve.app import Range
+from serve_helpers import model, one_thread, wait_healthy  # noqa: F401 - fixtures are found by name
 
 KEY = "test-key-123"
 PROMPTS = ["The cat sat on the", "A dog ran into a", "One two three four five", "Paris is the capital of",
@@ -65,19 +66,6 @@ class Live:
         self.thread.join(15)
         self.server.batcher.close()
         assert not self.thread.is_alive()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)   # deterministic BLAS: batched results bit-equal to solo runs (with exact=True)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny("gpt2")
 
 
 RECORD = {}
@@ -580,18 +568,7 @@ def test_cli_serve_subprocess():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stderr.read()}")
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("server did not come up")
-            time.sleep(0.2)
+        wait_healthy(proc, url, timeout=90, interval=0.2)
         with Client(url, api_key="k2") as c:
             top = c.trace(PROMPTS[0], "top_k", k=2)
             assert top["ids"].shape == (1, 2)

@@ -17,6 +17,7 @@ from asyncinterp.models import tiny
 from asyncinterp.serve import Server
 from asyncinterp.serve.app import Range
 from test_serve_http import Live
+from serve_helpers import one_thread, wait_healthy  # noqa: F401 - fixtures are found by name
 
 KEY = "openai-test-key"
 NAME = "tiny-gpt2"
@@ -25,13 +26,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 
 THREADS = torch.get_num_threads()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    torch.set_num_threads(1)   # deterministic BLAS: served answers equal local runs
-    yield
-    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="module")
@@ -659,16 +653,7 @@ def test_cli_serves_a_vllm_engine_under_tensor_parallel_2(vllm_dir):
                              "--tensor-parallel-size", "2", "--allow-code", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the vLLM server did not start"
-            time.sleep(0.5)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout=300, interval=0.5)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
             assert [m.id for m in c.models.list().data] == ["tiny"]
             resp = c.completions.create(model="tiny", prompt="The quick brown fox jumps", max_tokens=4,

@@ -37,6 +37,7 @@ from asyncinterp.serve import AsyncClient, Client, Server, wire
 from asyncinterp.serve.app import Range
 from test_serve_http import Live
 from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
+from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 pytestmark = pytest.mark.vllm
 
@@ -108,12 +109,6 @@ async def seen(m):
     h = await m.model.layers[0].hidden
     return h.shape[1]
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    require_vllm()
-    return make_tiny_dir(tmp_path_factory.mktemp("prefix-cache") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, RemoteError
 from asyncinterp.serve.supervisor import ProcessIsolation, Supervisor, check_forkable
 from test_serve_http import KEY, PROMPTS, Live, free_port, last, make_server
+from serve_helpers import model, one_thread, wait_healthy  # noqa: F401 - fixtures are found by name
 
 GROUP = 5
 SAME = PROMPTS[:8]        # all 5 tokens long: one batch key with exact=True
@@ -103,19 +104,6 @@ async def sleeper(m, seconds: float = 30.0):
     await m.transformer.h[0].output
     time.sleep(seconds)
     return "woke"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)   # deterministic BLAS: batched results bit-equal to solo runs (the workers inherit it)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny("gpt2")
 
 
 def supervised_server(model, **kw):
@@ -426,17 +414,7 @@ def test_cli_allow_code_isolates_by_default_and_leaves_no_worker_behind():
     pids = []
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stderr.read()}")
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url, timeout=90, interval=0.2)
         h = httpx.get(f"{url}/v1/health", timeout=5).json()
         assert h["isolation"] == "process" and h["workers"]["code"]["ready"], h
 

@@ -10,16 +10,11 @@ import torch
 
 import asyncinterp as ai
 from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
+from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The quick brown fox jumps", "Hello", "Once upon a time in a land far away there lived"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    require_vllm()
-    return make_tiny_dir(tmp_path_factory.mktemp("vllm-tiny") / "model", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import torch
 import asyncinterp as ai
 from asyncinterp.serve import Batcher, emit
 from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
+from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 pytestmark = pytest.mark.vllm
 
@@ -23,11 +24,6 @@ SHARED = ("The quick brown fox jumps over the lazy dog while the cat sleeps on t
           "red barn, and the farmer walks slowly along the muddy path to feed the hungry cows and the "
           "stone fireplace in the quiet house, where the children read old books about dragons, kings, "
           "castles and the long winter nights of the north")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_dir(tmp_path_factory.mktemp("tiny-live"))
 
 
 @pytest.fixture(scope="module")

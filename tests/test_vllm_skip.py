@@ -16,24 +16,11 @@ import torch
 import asyncinterp as ai
 from asyncinterp.kernel.errors import OutOfOrderError, ReplacementError
 from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
+from vllm_helpers import tiny_dir, engines  # noqa: F401 - fixtures are found by name
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The quick brown fox jumps", "Hello world, this is", "Once upon a time in a land far away"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    require_vllm()
-    return make_tiny_dir(tmp_path_factory.mktemp("vllm-skip") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_dir):
-    vm = ai.VLLM(tiny_dir, **ENGINE)
-    lm = ai.LanguageModel(hf_model(tiny_dir), vm.tokenizer)
-    yield lm, vm
-    vm.close()
 
 
 @pytest.fixture

@@ -42,3 +42,20 @@ def make_tiny_dir(path, seed=0, **kwargs):
 def hf_model(path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny Llama of make_tiny_dir (seed 0), saved once per test session (read-only for the tests)."""
+    require_vllm()
+    return make_tiny_dir(tmp_path_factory.mktemp("vllm-tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir):
+    """``(transformers LanguageModel, ai.VLLM)`` over the same tiny weights, one pair per test module."""
+    import asyncinterp as ai
+    vm = ai.VLLM(tiny_dir, **ENGINE)
+    lm = ai.LanguageModel(hf_model(tiny_dir), vm.tokenizer)
+    yield lm, vm
+    vm.close()
