@@ -11,6 +11,7 @@ Usage::
     python benchmarks/hotpath.py --opcodes                 # Python opcodes per call, every case
     python benchmarks/hotpath.py --callgrind               # CPU instructions per call (runs valgrind)
     python benchmarks/hotpath.py --callgrind --cases gpt2-empty,gpt2-plain
+    python benchmarks/hotpath.py --time --cases gpt2-plain,gpt2-empty,gpt2-hooks-all,gpt2-read-all
 
 ``--callgrind`` runs every case in one ``valgrind --tool=callgrind`` process
 (``--instr-atstart=no``: imports run uninstrumented). A tiny C library built on
@@ -213,6 +214,35 @@ def callgrind(cases, n, cache=False):
         return per
 
 
+def time_cases(cases, rounds):
+    """Thread-CPU time per call: ``rounds`` interleaved rounds (one call of each case per round, shuffled).
+
+    Returns ``{case: median µs}`` and the per-round paired differences/ratios of
+    :func:`derived`, each as ``(median, low, high)`` with a ~95% CI (order statistics).
+    """
+    import random
+    import time
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from overhead import _median_ci
+    fns = {case: build(case) for case in cases}
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    samples = {case: [] for case in cases}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(cases)
+        rng.shuffle(order)
+        for case in order:
+            t0 = time.thread_time_ns()
+            fns[case]()
+            samples[case].append((time.thread_time_ns() - t0) / 1000)
+    per_round = [dict(derived({c: samples[c][i] for c in cases})) for i in range(rounds)]
+    stats = {label: _median_ci([r[label] for r in per_round]) for label in per_round[0]}
+    return {c: _median_ci(v)[0] for c, v in samples.items()}, stats
+
+
 def derived(per):
     lines = []
     if "id-empty" in per and "id-plain" in per:
@@ -236,6 +266,8 @@ def main():
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--opcodes", action="store_true")
     p.add_argument("--callgrind", action="store_true")
+    p.add_argument("--time", action="store_true", help="thread-CPU time per call, interleaved paired rounds")
+    p.add_argument("--rounds", type=int, default=400, help="with --time: interleaved rounds")
     p.add_argument("--cache", action="store_true",
                    help="with --callgrind: simulate caches, report estimated cycles (Ir + 10 L1m + 100 LLm)")
     p.add_argument("--cases", default=",".join(CASES))
@@ -244,6 +276,13 @@ def main():
         run_cases(args.run.split(","), args.n, args.tmp)
         return
     cases = [c for c in args.cases.split(",") if c]
+    if args.time:
+        med, stats = time_cases(cases, args.rounds)
+        for case in cases:
+            print(f"time      {case:16} {med[case]:>14,.1f} µs/call", flush=True)
+        for label, (m, lo, hi) in stats.items():
+            fmt = ".3f" if "ratio" in label else ",.1f"
+            print(f"time      {label:48} {m:>14{fmt}}  (95% CI {lo:{fmt}} … {hi:{fmt}})", flush=True)
     for mode, unit in (("opcodes", "opcodes"), ("callgrind", "instructions")):
         if not getattr(args, mode):
             continue
