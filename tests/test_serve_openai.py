@@ -18,6 +18,7 @@ from asyncinterp.serve import Server
 from asyncinterp.serve.app import Range
 from test_serve_http import Live
 from serve_helpers import one_thread, wait_healthy  # noqa: F401 - fixtures are found by name
+from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 KEY = "openai-test-key"
 NAME = "tiny-gpt2"
@@ -546,10 +547,8 @@ def test_smollm2_chat_template():
 
 # ----------------------------------------------------------------------------- vLLM engine
 @pytest.fixture(scope="module")
-def vllm_dir(tmp_path_factory):
-    from vllm_helpers import make_tiny_dir, require_vllm
-    require_vllm()
-    return make_tiny_dir(tmp_path_factory.mktemp("vllm-openai") / "model", seed=0)
+def vllm_dir(tiny_dir):
+    return tiny_dir
 
 
 @pytest.fixture(scope="module")
