@@ -54,6 +54,22 @@ def _greedy(vm, prompts=PROMPTS, n=6, fns=None, **kw):
 # ----------------------------------------------------------------------------- structure
 
 
+def test_closing_the_last_engine_gives_torch_set_num_threads_back(tiny_dir):
+    """vLLM's CPU worker disables torch.set_num_threads process-wide (to keep its thread binding); once the
+    engine is closed, the user's own torch.set_num_threads works again. (First in this module: no other
+    engine is open.)"""
+    n = torch.get_num_threads()
+    vm = ai.VLLM(tiny_dir, **ENGINE)
+    vm.close()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_envoy_tree_mirrors_vllm_model(vm):
     text = repr(vm)
     assert "LlamaDecoderLayer" in text and "logits_processor" in text

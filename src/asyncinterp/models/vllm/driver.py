@@ -62,6 +62,33 @@ log = logging.getLogger("asyncinterp.vllm")
 _loop_lock = threading.Lock()
 
 
+class _TorchThreadsGuard:
+    """Give ``torch.set_num_threads`` back once the last engine of this process is closed.
+
+    vLLM's CPU worker replaces ``torch.set_num_threads`` (process-wide) with a
+    function that only logs a warning, so that nothing changes the thread
+    binding its attention kernels were set up with. That is right while an
+    engine runs in this process, but it outlives the engine: afterwards the
+    user's own ``torch.set_num_threads(n)`` would silently do nothing.
+    """
+
+    original = torch.set_num_threads   # captured before any engine of ours replaced it
+    lock = threading.Lock()
+    engines = 0
+
+    @classmethod
+    def opened(cls) -> None:
+        with cls.lock:
+            cls.engines += 1
+
+    @classmethod
+    def closed(cls) -> None:
+        with cls.lock:
+            cls.engines -= 1
+            if cls.engines == 0 and torch.set_num_threads is not cls.original:
+                torch.set_num_threads = cls.original
+
+
 class HooksUnavailableError(RuntimeError):
     """The engine's settings make module hooks impossible (compiled model, engine core in another process)."""
 
@@ -630,8 +657,13 @@ class VLLM(GeneratingModel, VLLMRoot):
                 f"ai.VLLM needs vLLM ({exc}). On CPU install it beside the pinned torch with "
                 "`bash scripts/install_vllm.sh .venv` (make setup does), which also removes vLLM's companion "
                 "wheels that do not load with this torch") from exc
-        llm = vllm.LLM(model=str(model_dir), tokenizer=tokenizer, **kw) if tokenizer is not None \
-            else vllm.LLM(model=str(model_dir), **kw)
+        _TorchThreadsGuard.opened()
+        try:
+            llm = vllm.LLM(model=str(model_dir), tokenizer=tokenizer, **kw) if tokenizer is not None \
+                else vllm.LLM(model=str(model_dir), **kw)
+        except BaseException:
+            _TorchThreadsGuard.closed()
+            raise
         engine = llm.llm_engine
         try:
             self._check_engine(engine)
@@ -650,6 +682,7 @@ class VLLM(GeneratingModel, VLLMRoot):
                 VLLMRoot.__init__(self, _skeleton(skeleton), None)
         except BaseException:
             _shutdown_engine(llm)
+            _TorchThreadsGuard.closed()
             raise
         init = object.__setattr__
         init(self, "llm", llm)
@@ -782,6 +815,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         except Exception:  # noqa: BLE001 - best effort
             pass
         _shutdown_engine(self.llm)
+        _TorchThreadsGuard.closed()
 
     def __enter__(self):
         return self
