@@ -741,45 +741,66 @@ class _LiveListener:
         self.batcher.finish_live(self.req, run)
 
 
-class GenerationStream:
-    """Async iterator over a streaming generation request's events (see :meth:`Batcher.stream_generate`)."""
+class EventStream:
+    """An ``async for`` over one streaming request's events, ending with ``{"event": "done", "result": ...}``.
 
-    def __init__(self, batcher, req, deadline):
-        self._batcher = batcher
-        self._req = req
-        self._deadline = deadline
-        self._done = False
+    Leaving it early (``aclose``, ``async with``, an exception in the loop)
+    cancels the request. Subclasses say where the next item comes from
+    (``_next``: ``(kind, ok, value)``) and how to cancel (``_cancel``).
+    """
+
+    done = False
+
+    async def _next(self):
+        raise NotImplementedError
+
+    def _cancel(self) -> None:
+        raise NotImplementedError
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        if self._done:
+        if self.done:
             raise StopAsyncIteration
-        req = self._req
         try:
-            kind, ok, value = await _next_item(req, self._deadline)
+            kind, ok, value = await self._next()
         except BaseException:
             await self.aclose()
             raise
         if kind == "event":
             return value
-        self._done = True
+        self.done = True
         if not ok:
             raise value
         return {"event": "done", "result": value}
 
     async def aclose(self):
         """Stop listening; cancels the request if it has not finished."""
-        self._done = True
-        self._req.cancel()
-        self._batcher.unqueue(self._req)
+        self.done = True
+        self._cancel()
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
         await self.aclose()
+
+
+class GenerationStream(EventStream):
+    """Async iterator over a streaming generation request's events (see :meth:`Batcher.stream_generate`)."""
+
+    def __init__(self, batcher, req, deadline):
+        self._batcher = batcher
+        self._req = req
+        self._deadline = deadline
+
+    def _next(self):
+        return _next_item(self._req, self._deadline)
+
+    def _cancel(self) -> None:
+        self._req.cancel()
+        self._batcher.unqueue(self._req)
 
 
 def _eos_ids(model):

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from .. import aio
 from . import wire
 from . import worker_proc
-from .batcher import BatcherClosed, BatcherFull, GenerateResult
+from .batcher import BatcherClosed, BatcherFull, EventStream, GenerateResult
 from .channel import Channel, Heartbeat
 
 log = logging.getLogger("asyncinterp.serve.supervisor")
@@ -917,37 +917,14 @@ async def _next(job: Job):
         return await job.mailbox.get()
 
 
-class SupervisedStream:
+class SupervisedStream(EventStream):
     """Async iterator over a streaming generation's events, as :class:`~.batcher.GenerationStream`."""
 
     def __init__(self, job: Job):
         self.job = job
-        self.done = False
 
-    def __aiter__(self):
-        return self
+    def _next(self):
+        return _next(self.job)
 
-    async def __anext__(self):
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            kind, ok, value = await _next(self.job)
-        except BaseException:
-            await self.aclose()
-            raise
-        if kind == "event":
-            return value
-        self.done = True
-        if not ok:
-            raise value
-        return {"event": "done", "result": value}
-
-    async def aclose(self):
-        self.done = True
+    def _cancel(self) -> None:
         self.job.pool.cancel(self.job)
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.aclose()
