@@ -6,6 +6,9 @@ pytest picks them up from the importing module.
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import time
 
 import httpx
@@ -45,3 +48,27 @@ def wait_healthy(proc, url: str, timeout: float = 90, interval: float = 0.2) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"server did not come up within {timeout:g} s")
         time.sleep(interval)
+
+
+def stop_server(proc, timeout: float = 20) -> tuple[str, list]:
+    """Stop the server subprocess ``proc`` as Ctrl-C does (killed if it outlives ``timeout`` s).
+
+    Returns its stderr and the JSON log records in it.
+    """
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+    return err, [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+
+
+# a submitted busy loop that never ends on its own (cut by the request's budget or deadline)
+SPIN = """
+async def f(m):
+    h = await m.transformer.h[0].output
+    n = 0
+    while True:
+        n += 1
+"""

@@ -21,19 +21,11 @@ import torch
 
 from asyncinterp.serve import AsyncClient, RemoteError
 from test_serve_http import KEY, PROMPTS, Live, last, make_server
-from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
+from serve_helpers import SPIN, model, one_thread  # noqa: F401 - fixtures are found by name
 
 GROUP = 5                 # requests per batch in the grouped tests
 BUDGET = 1.5              # the grouped server's code_budget (CPU seconds)
 SAME = PROMPTS[:8]        # all 5 tokens long: one batch key with exact=True
-
-SPIN = """
-async def f(m):
-    h = await m.transformer.h[0].output
-    n = 0
-    while True:
-        n += 1
-"""
 
 # slow but legitimate: busy Python work (~0.1 s of CPU) well under its own budget, then a result
 LEGIT = """

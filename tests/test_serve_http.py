@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, Client, RemoteError, Server
 from asyncinterp.serve import wire
 from asyncinterp.serve.app import Range
-from serve_helpers import model, one_thread, wait_healthy  # noqa: F401 - fixtures are found by name
+from serve_helpers import model, one_thread, stop_server, wait_healthy  # noqa: F401 - fixtures are found by name
 
 KEY = "test-key-123"
 PROMPTS = ["The cat sat on the", "A dog ran into a", "One two three four five", "Paris is the capital of",
@@ -577,13 +576,7 @@ def test_cli_serve_subprocess():
                 c.trace(PROMPTS[0], "top_k")
             assert info.value.status == 401
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate(timeout=10)
-    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        err, records = stop_server(proc, timeout=20)
     assert any(r.get("event") == "trace" and r.get("status") == 200 for r in records), err[-2000:]
     assert any(r.get("event") == "trace" and r.get("status") == 401 for r in records)
 

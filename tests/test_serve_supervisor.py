@@ -18,7 +18,6 @@ which submitted code has no way to cause (see tests/test_serve_attacks.py).
 
 import asyncio
 import ctypes
-import json
 import os
 import pickle
 import random
@@ -37,7 +36,7 @@ from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, RemoteError
 from asyncinterp.serve.supervisor import ProcessIsolation, Supervisor, check_forkable
 from test_serve_http import KEY, PROMPTS, Live, free_port, last, make_server
-from serve_helpers import model, one_thread, wait_healthy  # noqa: F401 - fixtures are found by name
+from serve_helpers import SPIN, model, one_thread, stop_server, wait_healthy  # noqa: F401 - fixtures are found by name
 
 GROUP = 5
 SAME = PROMPTS[:8]        # all 5 tokens long: one batch key with exact=True
@@ -67,14 +66,6 @@ async def f(m):
     h = await m.transformer.h[0].output
     xs = [torch.ones(2 ** 26) for i in range(16)]
     return len(xs)
-"""
-
-SPIN = """
-async def f(m):
-    h = await m.transformer.h[0].output
-    n = 0
-    while True:
-        n += 1
 """
 
 
@@ -434,13 +425,7 @@ def test_cli_allow_code_isolates_by_default_and_leaves_no_worker_behind():
         pids = [w["pid"] for w in h["workers"].values()]
         assert h["workers"]["code"]["restarts"] == 1 and all(pids), h
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate(timeout=10)
-    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        err, records = stop_server(proc, timeout=30)
     assert any(r.get("event") == "startup" and r.get("isolation") == "process" for r in records), err[-2000:]
     assert any(r.get("event") == "worker_restart" and r.get("cause") == "hung" for r in records), err[-2000:]
     deadline = time.monotonic() + 10
