@@ -71,6 +71,8 @@ def build(case):
         }[case]
 
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from overhead import hooks_read   # the same hand-written floor as overhead.py
     torch.manual_seed(0)
     config = GPT2Config(use_cache=False, attn_implementation="eager", n_layer=12, n_embd=64, n_head=4,
                         vocab_size=1024, n_positions=64, bos_token_id=0, eos_token_id=0)
@@ -86,23 +88,10 @@ def build(case):
         return await m.transformer.h[3].output
 
     def hooks_all():
-        box = []
-        hs = [b.register_forward_hook(lambda mod, args, o: box.append(o)) for b in blocks]
-        try:
-            module(x)
-        finally:
-            for h in hs:
-                h.remove()
-        return box
+        return hooks_read(blocks, lambda: module(x))
 
     def hooks1():
-        box = []
-        h = blocks[3].register_forward_hook(lambda mod, args, o: box.append(o))
-        try:
-            module(x)
-        finally:
-            h.remove()
-        return box
+        return hooks_read([blocks[3]], lambda: module(x))
 
     return {
         "gpt2-plain": lambda: module(x),
@@ -142,6 +131,7 @@ def run_cases(cases, n, tmp):
     cg = _client(tmp)
     import torch  # noqa: F401 - imported before instrumentation starts (fast)
     import transformers  # noqa: F401
+    import overhead  # noqa: F401 - the hand-written floor's module (and nnsight, if installed)
     cg.cg_start()
     for case in cases:
         fn = build(case)
@@ -223,7 +213,6 @@ def time_cases(cases, rounds):
     import random
     import time
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from overhead import _median_ci
     fns = {case: build(case) for case in cases}
     for fn in fns.values():

@@ -125,6 +125,22 @@ BUILDERS = {"mlp12": build_mlp, "gpt2-tiny": build_gpt2_tiny, "gpt2-small": buil
 
 
 # ---------------------------------------------------------------------- cases
+def hooks_read(blocks, call, pick=None):
+    """The floor for reads: a hand-written forward hook on each of ``blocks`` collecting its output
+    (``pick(output)`` if given), installed and removed around ``call()``; returns what they collected."""
+    box = []
+    if pick is None:
+        hs = [b.register_forward_hook(lambda mod, args, o: box.append(o)) for b in blocks]
+    else:
+        hs = [b.register_forward_hook(lambda mod, args, o: box.append(pick(o))) for b in blocks]
+    try:
+        call()
+    finally:
+        for h in hs:
+            h.remove()
+    return box
+
+
 def make_cases(spec, with_nnsight):
     """Return ``(cases, extra)``.
 
@@ -167,23 +183,10 @@ def make_cases(spec, with_nnsight):
 
     # --- hand-written hooks (the floor) ---
     def hooks_read1(inp=x):
-        box = []
-        h = blocks[K].register_forward_hook(lambda mod, args, o: box.append(o))
-        try:
-            module(inp)
-        finally:
-            h.remove()
-        return box[0]
+        return hooks_read([blocks[K]], lambda: module(inp))[0]
 
     def hooks_read_all():
-        box = []
-        hs = [b.register_forward_hook(lambda mod, args, o: box.append(o)) for b in blocks]
-        try:
-            module(x)
-        finally:
-            for h in hs:
-                h.remove()
-        return box
+        return hooks_read(blocks, lambda: module(x))
 
     def _zero(mod, args, o):
         o[:] = 0
