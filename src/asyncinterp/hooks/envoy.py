@@ -212,16 +212,30 @@ class Envoy:
             return getattr(module, name)
         except AttributeError:
             pass
-        from .aliases import resolve  # standard names (layers, attn, mlp, ...): only looked up on a miss
+        found = self.standard_name(name)   # only looked up on a miss
+        if found is not None:
+            return found
+        raise self._missing(name) from None
+
+    def standard_name(self, name: str):
+        """What the standard name ``name`` means below this envoy, or ``None``.
+
+        An alias (``layers``, ``attn``, ``mlp``, ...) gives the envoy it stands
+        for; a TransformerLens name (``resid_pre``, ``attn.q``, ``mlp.post``,
+        ``logits``) gives the semantic point, made once and kept in ``points``.
+        """
+        from .aliases import resolve
         found = resolve(self, name)
         if found is not None:
             return found
-        if name in SEMANTIC_NAMES:   # TransformerLens names (resid_pre, attn.q, mlp.post, logits): on a miss only
-            made = self.root.build_semantic_point(self, name)
-            if made is not None:
-                self.points[name] = made
-                return made
-        raise self._missing(name) from None
+        if name in SEMANTIC_NAMES:
+            made = self.points.get(name)
+            if made is None:
+                made = self.root.build_semantic_point(self, name)
+                if made is not None:
+                    self.points[name] = made
+            return made
+        return None
 
     def build_semantic_point(self, envoy, name: str):
         """The semantic point ``name`` of ``envoy`` (called on the root envoy), or ``None``.

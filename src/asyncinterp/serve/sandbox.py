@@ -62,7 +62,6 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..hooks.aliases import resolve as resolve_alias
 from ..hooks.envoy import SEMANTIC_NAMES, Envoy
 from ..hooks.modules import submodules
 from ..hooks.points import Point
@@ -1262,14 +1261,11 @@ def _standard(envoy, name):
     """A standard name below ``envoy`` for submitted code: an alias (``layers``, ``attn``, ``mlp``) as a
     :class:`SafeEnvoy`, a semantic point (``resid_mid``, ``attn.q``, ``logits``) as a :class:`SafePoint`;
     ``None`` for anything else (module attributes, parameters and buffers stay out of reach)."""
-    found = resolve_alias(envoy, name)
+    found = envoy.standard_name(name)
     if isinstance(found, Envoy):
         return SafeEnvoy(found, False)
-    if name in SEMANTIC_NAMES:
-        made = envoy.points.get(name) or envoy.root.build_semantic_point(envoy, name)
-        if isinstance(made, Point):
-            envoy.points[name] = made
-            return SafePoint(made)
+    if isinstance(found, Point):
+        return SafePoint(found)
     return None
 
 
