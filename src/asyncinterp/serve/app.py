@@ -53,7 +53,7 @@ from starlette.routing import Route
 
 from .. import aio
 from . import openai_compat, wire
-from .batcher import Batcher, BatcherClosed, BatcherFull
+from .batcher import Batcher, BatcherClosed, BatcherFull, is_live_engine
 from .params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401 (re-exported)
 from .sandbox import ProgramCache, SandboxRefused, SandboxTimeout
 
@@ -655,7 +655,7 @@ class Server:
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
         fns = (fn,) if fn is not None else ()
-        if req.cache_salt is not None and callable(getattr(self.model, "submit", None)):
+        if req.cache_salt is not None and is_live_engine(self.model):
             # vLLM: the engine's run salts a plain request's prefix cache with it; a request with an intervention
             # gets a salt of its own instead (VLLMRun.cache_salt). Other engines share no cache between requests.
             ids = x if isinstance(x, list) else list(self.model.tokenizer(x)["input_ids"])

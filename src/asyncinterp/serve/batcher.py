@@ -53,6 +53,12 @@ from ..run import EVENTS
 log = logging.getLogger("asyncinterp.serve")
 
 
+def is_live_engine(model) -> bool:
+    """True for an engine that batches requests by itself and takes them while it runs (``ai.VLLM``:
+    it has ``submit``); the Batcher hands such a model each request at once instead of coalescing."""
+    return callable(getattr(model, "submit", None))
+
+
 class BatcherFull(RuntimeError):
     """The batcher's queue is full (the server answers 503)."""
 
@@ -397,7 +403,7 @@ class Batcher(aio.Closable):
         self.ledger = Ledger()
         self.stats = {"batches": 0, "requests": 0, "max_batch_seen": 0, "fallbacks": 0, "cancelled": 0}
         self._is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
-        self._live = callable(getattr(model, "submit", None))   # an engine that batches by itself (vLLM)
+        self._live = is_live_engine(model)
         self._running = set()            # live mode: the runs in the engine
 
     # ------------------------------------------------------------------ public
@@ -751,7 +757,8 @@ class EventStream:
 
     done = False
 
-    async def _next(self):
+    def _next(self):
+        """An awaitable of the next ``(kind, ok, value)``."""
         raise NotImplementedError
 
     def _cancel(self) -> None:

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from .. import aio
 from . import wire
 from . import worker_proc
-from .batcher import BatcherClosed, BatcherFull, EventStream, GenerateResult
+from .batcher import BatcherClosed, BatcherFull, EventStream, GenerateResult, is_live_engine
 from .channel import Channel, Heartbeat
 
 log = logging.getLogger("asyncinterp.serve.supervisor")
@@ -97,7 +97,7 @@ def check_forkable(model) -> None:
     """Raise ``ValueError`` if ``model`` cannot be served from a forked worker process."""
     if not hasattr(os, "fork"):
         raise ValueError("process isolation needs os.fork (Linux, macOS); use isolation='thread'")
-    if callable(getattr(model, "submit", None)):   # a live engine (vLLM)
+    if is_live_engine(model):   # vLLM
         raise ValueError("process isolation does not support vLLM engines (they own threads and processes that "
                          "a fork does not copy); use isolation='thread'")
     module = getattr(model, "module", None)

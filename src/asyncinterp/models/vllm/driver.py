@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
 
 import torch
 
@@ -370,7 +371,6 @@ class VLLMRun(Trace):
         """
         if self.intervened:
             return f"asyncinterp-{os.getpid()}-{self.key}-{inv.index}"
-        from collections.abc import Mapping
         salt = inv.input.get("cache_salt") if isinstance(inv.input, Mapping) else None
         return None if salt is None else f"user-{salt}"
 
@@ -523,7 +523,6 @@ def _is_async(fn) -> bool:
 
 def _prompt_ids(input, tokenizer) -> list:
     """One request's prompt as token ids: a string, token ids (list / 1-D tensor), or a mapping."""
-    from collections.abc import Mapping
     if isinstance(input, str):
         if not input:
             raise ValueError("empty prompt: a causal language model needs at least one token to predict from")
