@@ -55,12 +55,14 @@ def _greedy(vm, prompts=PROMPTS, n=6, fns=None, **kw):
 
 
 def test_closing_the_last_engine_gives_torch_set_num_threads_back(tiny_dir):
-    """vLLM's CPU worker disables torch.set_num_threads process-wide (to keep its thread binding); once the
-    engine is closed, the user's own torch.set_num_threads works again. (First in this module: no other
-    engine is open.)"""
+    """vLLM's CPU worker disables torch.set_num_threads process-wide (to keep its thread binding) and changes
+    oneDNN's float32 matmul precision; once the engine is closed, the user's own torch.set_num_threads works
+    again and the precision is what it was. (First in this module: no other engine is open.)"""
     n = torch.get_num_threads()
+    precision = torch.backends.mkldnn.matmul.fp32_precision
     vm = ai.VLLM(tiny_dir, **ENGINE)
     vm.close()
+    assert torch.backends.mkldnn.matmul.fp32_precision == precision
     try:
         torch.set_num_threads(1)
         assert torch.get_num_threads() == 1

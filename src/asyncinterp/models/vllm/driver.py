@@ -64,30 +64,56 @@ _loop_lock = threading.Lock()
 
 
 class _TorchThreadsGuard:
-    """Give ``torch.set_num_threads`` back once the last engine of this process is closed.
+    """Give back the process-wide torch settings a vLLM engine changes, once the last engine is closed.
 
     vLLM's CPU worker replaces ``torch.set_num_threads`` (process-wide) with a
     function that only logs a warning, so that nothing changes the thread
-    binding its attention kernels were set up with. That is right while an
-    engine runs in this process, but it outlives the engine: afterwards the
-    user's own ``torch.set_num_threads(n)`` would silently do nothing.
+    binding its attention kernels were set up with, and it sets the float32
+    matmul precision of oneDNN (and CUDA) from ``"none"`` to ``"ieee"``. That
+    is right while an engine runs in this process, but it outlives the
+    engine: afterwards the user's own ``torch.set_num_threads(n)`` would
+    silently do nothing, and their matmuls would run under vLLM's settings.
     """
 
     original = torch.set_num_threads   # captured before any engine of ours replaced it
+    #: (module path under torch.backends, attribute) of the settings restored at the last close
+    SETTINGS = (("mkldnn.matmul", "fp32_precision"), ("mkldnn.conv", "fp32_precision"),
+                ("mkldnn.rnn", "fp32_precision"), ("cuda.matmul", "fp32_precision"),
+                ("cudnn.conv", "fp32_precision"), ("cudnn.rnn", "fp32_precision"))
     lock = threading.Lock()
     engines = 0
+    saved = {}
+
+    @staticmethod
+    def _holder(path):
+        obj = torch.backends
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        return obj
 
     @classmethod
     def opened(cls) -> None:
         with cls.lock:
+            if cls.engines == 0:
+                cls.saved = {}
+                for path, attr in cls.SETTINGS:
+                    holder = cls._holder(path)
+                    if holder is not None and hasattr(holder, attr):
+                        cls.saved[(path, attr)] = getattr(holder, attr)
             cls.engines += 1
 
     @classmethod
     def closed(cls) -> None:
         with cls.lock:
             cls.engines -= 1
-            if cls.engines == 0 and torch.set_num_threads is not cls.original:
+            if cls.engines:
+                return
+            if torch.set_num_threads is not cls.original:
                 torch.set_num_threads = cls.original
+            for (path, attr), value in cls.saved.items():
+                holder = cls._holder(path)
+                if getattr(holder, attr, value) != value:
+                    setattr(holder, attr, value)
 
 
 class HooksUnavailableError(RuntimeError):
