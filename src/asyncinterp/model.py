@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from functools import partial
+from operator import attrgetter
 from threading import get_ident
 
 from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
@@ -23,6 +24,9 @@ from .run import Run
 from .kernel.tasks import Steps
 
 _NOTHING = object()
+
+
+_input_of = attrgetter("input")
 
 
 class _ModelLock:
@@ -133,7 +137,7 @@ class Model(Envoy):
     def _prepare(self, run):
         """Batch the invokes' inputs, set the run's layout, return the forward callable."""
         invokes = run.invokes
-        args, kwargs, layout = batch_inputs([inv.input for inv in invokes])
+        args, kwargs, layout = batch_inputs(list(map(_input_of, invokes)))
         run.layout = layout
         module = self.module
         extra = forward_kwargs(invokes)

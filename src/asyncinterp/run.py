@@ -290,8 +290,6 @@ class Run:
         self._hooks = None                 # the module hooks this run wrote (a HookSet, also in _handles)
         self._installed = _NO_POINTS       # point keys hooked in this run (a set once one is)
         self._kept = _NO_POINTS            # modules given a keep-alive pre-hook (a set once one is)
-        self._active = {}                  # point key -> its Firing in progress (or its bare value, see _upgrade)
-        self._get_view = None              # self._view_of while hooks are installed (made once, dropped by cleanup)
         self._skips = None                 # module -> [(invoke, value, what)] replacing its next output
         self._adhoc = 0
         self._taps = None                  # point key -> callbacks seeing each firing's final value
@@ -347,7 +345,6 @@ class Run:
             hooks = self._hooks = HookSet()
             self._installed = set()
             self._kept = set()
-            self._get_view = self._view_of   # one bound method for every firing (a cycle until cleanup)
             self._handles.append(hooks)
         return hooks
 
@@ -443,24 +440,26 @@ class Run:
     # ---------------------------------------------- run interface: firings
     def firing(self, key):
         """The :class:`Firing` of point ``key`` in progress (the model is inside it), or ``None``."""
-        entry = self._active.get(key)
+        kernel = self.kernel
+        entry = kernel.entries.get(key) if kernel is not None else None
         if entry is None or type(entry) is Firing:
             return entry
         return self._upgrade(key, entry)
 
     def in_firing(self, key) -> bool:
         """Whether point ``key`` is firing now (the model is inside it)."""
-        return key in self._active
+        kernel = self.kernel
+        return kernel is not None and key in kernel.entries
 
     def _upgrade(self, key, value) -> Firing:
-        # A module point of a whole-batch run fires with its bare value in _active (no Firing is made
-        # unless somebody needs one: a replacement, or a caller of firing()); make it now.
-        firing = self._active[key] = Firing(key, value, self.layout)
+        # A module point of a whole-batch run fires with its bare value as the kernel's entry (no Firing is
+        # made unless somebody needs one: a replacement, or a caller of firing()); make it now.
+        firing = self.kernel.entries[key] = Firing(key, value, self.layout)
         return firing
 
-    def _view_of(self, task, trap):
-        """``kernel.provide``'s ``get_value`` for module points: the firing's value as ``task`` sees it."""
-        entry = self._active[trap.key]
+    def view_of(self, task, trap):
+        """Kernel host: ``task``'s value at ``trap`` once a bare-value firing was upgraded (see ``Kernel.provide``)."""
+        entry = self.kernel.entries[trap.key]
         if type(entry) is Firing:
             return entry.view_for(task, trap)
         read = trap.read
@@ -471,30 +470,10 @@ class Run:
         """True while an intervention calls a module ad hoc (no point fires)."""
         return self._adhoc > 0
 
-    def _deliver(self, key, entry, get_view, interrupt=True):
-        """Resume the tasks waiting on ``key``, with ``get_view`` making each task's view.
-
-        ``entry`` (a ``Firing`` or the bare value) is what ``firing(key)`` answers
-        meanwhile. Returns the entry afterwards: a ``Firing`` if a task replaced a
-        bare value (see ``_upgrade``). Raises ``StopForward`` when the model must
-        stop now, unless ``interrupt`` is false.
-        """
-        active = self._active
-        prev = active.get(key)
-        active[key] = entry
-        kernel = self.kernel
-        try:
-            kernel.provide(key, get_view)
-        finally:
-            entry = active[key]
-            if prev is None:
-                del active[key]
-            else:
-                active[key] = prev
-        if interrupt and (kernel.failures or kernel.stop_requested or self.cancelled) and (
-                kernel.interrupted or self.cancelled):
+    def _interrupt(self) -> None:
+        """After a delivery that left a failure, a stop or a cancel: raise ``StopForward`` if the model must stop now."""
+        if self.kernel.interrupted or self.cancelled:
             raise StopForward()
-        return entry
 
     def _tapped(self, key, final) -> None:
         taps = self._taps.get(key)
@@ -508,9 +487,10 @@ class Run:
             if self._adhoc:
                 return None
             layout = self.layout
+            kernel = self.kernel
             if type(layout) is Layout and output is not None and not self._skips:
-                entry = output   # the bare value: a Firing is made only if a task replaces it (see _upgrade)
-                get_view = self._get_view
+                # the bare value: a Firing is made only if a task replaces it (see _upgrade)
+                entry = kernel.provide(point, None, output)
             else:
                 entry = Firing(point, output, layout)
                 if self._skips:
@@ -518,8 +498,9 @@ class Run:
                     if skips:
                         for group, value, _ in skips:
                             entry.replace(group, point, value)
-                get_view = entry.view_for
-            entry = self._deliver(point, entry, get_view)
+                entry = kernel.provide(point, entry.view_for, entry)
+            if kernel.failures or kernel.stop_requested or self.cancelled:
+                self._interrupt()
             result = entry.result() if type(entry) is Firing and entry.replaced else None
             if self._taps:
                 self._tapped(point, output if result is None else result)
@@ -532,14 +513,14 @@ class Run:
             if self._adhoc:
                 return None
             layout = self.layout
-            value = (args, kwargs)
+            kernel = self.kernel
             if type(layout) is Layout:   # see output_hook
-                entry = value
-                get_view = self._get_view
+                entry = kernel.provide(point, None, (args, kwargs))
             else:
-                entry = Firing(point, value, layout)
-                get_view = entry.view_for
-            entry = self._deliver(point, entry, get_view)
+                entry = Firing(point, (args, kwargs), layout)
+                entry = kernel.provide(point, entry.view_for, entry)
+            if kernel.failures or kernel.stop_requested or self.cancelled:
+                self._interrupt()
             new = entry.result() if type(entry) is Firing and entry.replaced else None
             if self._taps:
                 self._tapped(point, (args, kwargs) if new is None else new)
@@ -570,7 +551,10 @@ class Run:
         firings inside a backward pass).
         """
         firing = Firing(point, value, self.layout)
-        self._deliver(point.key, firing, firing.view_for, interrupt)
+        kernel = self.kernel
+        kernel.provide(point.key, firing.view_for, firing)
+        if interrupt and (kernel.failures or kernel.stop_requested or self.cancelled):
+            self._interrupt()
         new = firing.result()
         if self._taps:
             self._tapped(point.key, value if new is None else new)
@@ -578,14 +562,11 @@ class Run:
 
     # --------------------------------- run interface: requests from interventions
     def replace(self, trap, task, value, shape_change: bool = False, dtype_change: bool = False) -> None:
-        key = trap.key
-        firing = self._active.get(key)
+        firing = self.firing(trap.key)
         if firing is None:
             raise NotInRunError(
                 f"{trap.describe()} is not firing now: replace it right after `await {trap.describe()}` "
                 "(before the intervention awaits anything else)")
-        if type(firing) is not Firing:
-            firing = self._upgrade(key, firing)
         firing.replace(task.group, trap, value, shape_change, dtype_change)
 
     def skip(self, envoy, task, value) -> None:
@@ -605,7 +586,7 @@ class Run:
         kernel = self.kernel
         key = output.key
         fired = kernel.fired.get(key, 0)
-        at_input = self._active.get(envoy.inputs.key) is not None
+        at_input = self.in_firing(envoy.inputs.key)
         now = kernel.current_point
         if (fired > task.consumed.get(key, 0)
                 or (fired == 0 and not at_input and now is not None and now is not output
@@ -855,10 +836,8 @@ class Run:
             for h in reversed(handles):
                 h.remove()
             handles.clear()
-            self._hooks = self._get_view = None
+            self._hooks = None
             self._installed = self._kept = _NO_POINTS
-        if self._active:
-            self._active.clear()
         self._taps = self._skips = self._pending_skips = self._state = None
 
     def _raise(self, failures):

@@ -3,7 +3,7 @@
 The kernel schedules coroutines and knows nothing about torch, modules or
 hooks. Whoever drives it (a run, or a scripted fake in tests) is its *host*:
 the host calls ``provide``/``begin_step``/``finish`` as the model executes,
-and the kernel calls back the two methods of :class:`KernelHost`.
+and the kernel calls back the methods of :class:`KernelHost`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class KernelHost(Protocol):
     """The methods the :class:`~asyncinterp.kernel.scheduler.Kernel` calls on its host.
 
-    Both are called on the kernel's thread while a task is being stepped, from
+    All are called on the kernel's thread while a task is being stepped, from
     inside the kernel's handling of a ``PointTrap`` (a task awaiting a hook
     point), before the task is parked.
     """
@@ -29,7 +29,7 @@ class KernelHost(Protocol):
         Called every time a task parks on a point (so it must be cheap when
         the point is already active); ``task`` is the waiting task. The host
         installs whatever makes the point fire (e.g. a torch hook, lazily) so
-        that it later calls ``kernel.provide(trap.key, get_value)``.
+        that it later calls ``kernel.provide(trap.key, get_value, entry)``.
 
         An exception means the point cannot be delivered in this run (no such
         module, wrong kind of run, ...): the kernel does not park the task but
@@ -47,5 +47,16 @@ class KernelHost(Protocol):
         makes the await an ``OutOfOrderError``, ``False`` parks the task.
         Answer ``False`` when unsure. An exception propagates out of the
         kernel (it is a bug of the host, not of the task).
+        """
+        ...
+
+    def view_of(self, task: Task, trap: PointTrap) -> object:
+        """What ``task`` waiting on ``trap`` is resumed with, once the host replaced the entry of a firing.
+
+        ``kernel.provide(key, entry=entry)`` without ``get_value`` resumes each
+        waiter with ``entry`` itself (through ``trap.read``); if the host
+        replaced ``kernel.entries[key]`` while an earlier waiter ran (a task
+        replaced the value), the later waiters get this instead. A host that
+        never replaces entries never has it called.
         """
         ...

@@ -1,6 +1,6 @@
 """The scheduler: resumes intervention coroutines when hook points fire.
 
-The model drives; the kernel follows. A hook calls ``provide(key, get_value)``
+The model drives; the kernel follows. A hook calls ``provide(key, get_value, entry)``
 and the kernel resumes, in a fixed order (invoke order, then creation order),
 every task waiting on that firing, each until its next ``await``. Tasks woken
 by futures that another task set during the firing run before ``provide``
@@ -169,6 +169,7 @@ class Kernel:
         self.tasks = []
         self.failures = []
         self.current_point = None
+        self.entries = {}         # point key -> the host's entry for its firing in progress (see provide)
         self.finished = False
         self.stop_requested = False
         self.cancel_requests = []  # invoke groups to close at the next hook point (any thread may append)
@@ -190,12 +191,19 @@ class Kernel:
         return task
 
     def drain(self) -> None:
-        """Run every ready task until it parks or finishes."""
+        """Run every ready task (woken by a step, a future, a join, or new) until it parks or finishes."""
         ready = self.ready
         while ready:
             task, value, exc = ready.pop(0)
-            if not task.done:
-                self._step(task, value, exc)
+            if task.done:
+                continue
+            if task.step != self.step:
+                task.step = self.step
+                task.consumed = {}
+                task.position = None
+            if self.current_point is not None:
+                task.position = self.current_point
+            self._resume(task, value, exc)
 
     def reschedule(self, task, value=None, exc=None) -> None:
         """Resume parked ``task`` at the next ``drain``: send it ``value``, or throw ``exc`` into it.
@@ -233,36 +241,48 @@ class Kernel:
         return self.stop_requested or (self.on_error == "stop" and bool(self.failures))
 
     # --------------------------------------------------------------- firings
-    def provide(self, key, get_value) -> None:
-        """A hook point fired: resume its waiters with ``get_value(task, trap)``."""
+    def provide(self, key, get_value=None, entry=None):
+        """Point ``key`` fired: resume the tasks waiting on it, each with its view of the firing.
+
+        ``entry`` is the host's record of the firing (its value, or an object
+        describing it); ``entries[key]`` holds it while the waiters run, and the
+        host may replace it there (e.g. when a task replaces the value).
+        ``get_value(task, trap)`` makes each task's value; without it, a task
+        gets ``entry`` itself (through ``trap.read``) as long as the host has
+        not replaced it, else ``host.view_of(task, trap)``. Returns
+        ``entries[key]`` as the delivery left it.
+        """
         if self.cancel_requests:
             self.apply_cancels()
         fired = self.fired
         n = fired.get(key, 0)
         fired[key] = n + 1
         waiters = self.waiters
-        entries = waiters.get(key)
-        if entries is None:
-            return
+        waiting = waiters.get(key)
+        if waiting is None:
+            return entry
         active = self.active
-        if len(entries) == 1:   # the common case: no filtering, no sort
-            due = entries
+        if len(waiting) == 1:   # the common case: no filtering, no sort
+            due = waiting
             (task, call, _), = due
             if call != n or (active is not None and task.group not in active):
-                return
+                return entry
             del waiters[key]
         else:
-            due = [e for e in entries if e[1] == n and (active is None or e[0].group in active)]
+            due = [e for e in waiting if e[1] == n and (active is None or e[0].group in active)]
             if not due:
-                return
-            if len(due) == len(entries):
-                del self.waiters[key]
+                return entry
+            if len(due) == len(waiting):
+                del waiters[key]
             elif active is None:
-                self.waiters[key] = [e for e in entries if e[1] != n]
+                waiters[key] = [e for e in waiting if e[1] != n]
             else:
-                self.waiters[key] = [e for e in entries if e[1] != n or e[0].group not in active]
+                waiters[key] = [e for e in waiting if e[1] != n or e[0].group not in active]
             if len(due) > 1:
                 due.sort(key=_order_of)
+        entries = self.entries
+        prev_entry = entries.get(key)
+        entries[key] = entry
         previous = self.current_point
         self.current_point = due[0][2]
         try:
@@ -276,7 +296,13 @@ class Kernel:
                 task.consumed[key] = n + 1
                 task.position = trap
                 try:
-                    value = get_value(task, trap)
+                    if get_value is not None:
+                        value = get_value(task, trap)
+                    elif entries[key] is entry:
+                        read = trap.read
+                        value = entry if read is None else read(entry)
+                    else:   # the host replaced the entry while an earlier waiter ran
+                        value = self.host.view_of(task, trap)
                 except Exception as exc:  # a view that cannot be built: the task's problem
                     self._resume(task, None, exc)
                 else:
@@ -286,6 +312,12 @@ class Kernel:
                     self.drain()
         finally:
             self.current_point = previous
+            entry = entries[key]
+            if prev_entry is None:
+                del entries[key]
+            else:
+                entries[key] = prev_entry
+        return entry
 
     def begin_step(self, active=None) -> None:
         """A new step (forward pass) starts: close the old one, wake step waiters.
@@ -446,6 +478,7 @@ class Kernel:
         if self.ready:
             self.ready.clear()
         self.current_point = None
+        self.entries.clear()
         for task in tasks:
             task.joiners = task.watch = task.last_value = task.kernel = None
             if task.exc is not None and not task.observed:
@@ -500,16 +533,6 @@ class Kernel:
             self.reschedule(task, None, err)
             woke = True
         return woke
-
-    def _step(self, task, value, exc):
-        """Resume ``task`` (woken by a step, a future, a join, or new) and handle traps until it parks or ends."""
-        if task.step != self.step:
-            task.step = self.step
-            task.consumed = {}
-            task.position = None
-        if self.current_point is not None:
-            task.position = self.current_point
-        self._resume(task, value, exc)
 
     def _resume(self, task, value, exc):
         """Send ``value`` (or throw ``exc``) into ``task`` and handle its traps until it parks or ends."""

@@ -23,11 +23,14 @@ class PointTrap(Trap):
 
     Subclasses (the hook layer's ``HookPoint``) supply ``key``: a hashable
     identity shared by every trap that waits for the same firing, and
-    ``describe()``: a human name used in error messages.
+    ``describe()``: a human name used in error messages. ``read``: ``None``,
+    or a function mapping the firing's entry to what this trap shows (used
+    when the host provides the entry itself, see ``Kernel.provide``).
     """
 
     __slots__ = ()
     key: object
+    read = None
 
     def describe(self) -> str:  # pragma: no cover - overridden
         return repr(self.key)
