@@ -12,6 +12,7 @@ Usage::
     python benchmarks/hotpath.py --callgrind               # CPU instructions per call (runs valgrind)
     python benchmarks/hotpath.py --callgrind --cases gpt2-empty,gpt2-plain
     python benchmarks/hotpath.py --time --cases gpt2-plain,gpt2-empty,gpt2-hooks-all,gpt2-read-all
+    python benchmarks/hotpath.py --inhook                  # time inside asyncinterp's hooks, per firing
 
 ``--callgrind`` runs every case in one ``valgrind --tool=callgrind`` process
 (``--instr-atstart=no``: imports run uninstrumented). A tiny C library built on
@@ -232,6 +233,49 @@ def time_cases(cases, rounds):
     return {c: _median_ci(v)[0] for c, v in samples.items()}, stats
 
 
+def inhook(cases, calls=500):
+    """Wall time spent inside asyncinterp's output hooks, per firing (median and mean ns).
+
+    One firing's hook delivers the value, resumes the waiting task until its
+    next await and installs the hook of the point it awaits next: the whole
+    per-read cost, without the noise of the forward around it. Measured by
+    wrapping ``Run.output_hook`` (the documented place to wrap hooks).
+    """
+    import statistics
+    from time import perf_counter_ns
+
+    from asyncinterp.run import Run
+    times = []
+    plain = Run.output_hook
+
+    def timed_output_hook(self, point):
+        hook = plain(self, point)
+
+        def timed(module, args, output):
+            t0 = perf_counter_ns()
+            try:
+                return hook(module, args, output)
+            finally:
+                times.append(perf_counter_ns() - t0)
+        return timed
+
+    Run.output_hook = timed_output_hook
+    try:
+        out = {}
+        for case in cases:
+            fn = build(case)
+            for _ in range(30):
+                fn()
+            times.clear()
+            for _ in range(calls):
+                fn()
+            if times:
+                out[case] = (statistics.median(times), statistics.mean(times), len(times) / calls)
+        return out
+    finally:
+        Run.output_hook = plain
+
+
 def derived(per):
     lines = []
     if "id-empty" in per and "id-plain" in per:
@@ -256,6 +300,7 @@ def main():
     p.add_argument("--opcodes", action="store_true")
     p.add_argument("--callgrind", action="store_true")
     p.add_argument("--time", action="store_true", help="thread-CPU time per call, interleaved paired rounds")
+    p.add_argument("--inhook", action="store_true", help="wall time inside asyncinterp's output hooks per firing")
     p.add_argument("--rounds", type=int, default=400, help="with --time: interleaved rounds")
     p.add_argument("--cache", action="store_true",
                    help="with --callgrind: simulate caches, report estimated cycles (Ir + 10 L1m + 100 LLm)")
@@ -265,6 +310,11 @@ def main():
         run_cases(args.run.split(","), args.n, args.tmp)
         return
     cases = [c for c in args.cases.split(",") if c]
+    if args.inhook:
+        wanted = [c for c in cases if "read" in c] or ["gpt2-read1", "gpt2-read-all"]
+        for case, (med, mean, per_call) in inhook(wanted).items():
+            print(f"inhook    {case:16} {med:>10,.0f} ns/firing median {mean:>10,.0f} mean  ({per_call:.0f} firings/call)",
+                  flush=True)
     if args.time:
         med, stats = time_cases(cases, args.rounds)
         for case in cases:
