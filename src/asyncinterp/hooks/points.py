@@ -19,7 +19,7 @@ not-in-a-run error, ``point.replace(v)`` / ``point.set(v)``, and ``point.grad``.
 from __future__ import annotations
 
 from ..kernel.errors import NotInRunError
-from ..kernel.scheduler import current_kernel, current_task, running
+from ..kernel.scheduler import current_kernel, current_task, running_task
 from ..kernel.traps import PointTrap
 
 __all__ = ["Point", "gradient_of"]
@@ -51,7 +51,7 @@ class Point(PointTrap):
     kind_label = "hook points"
 
     def __await__(self):
-        if running.task is None:   # current_kernel() is None, without the call
+        if running_task() is None:   # current_kernel() is None
             raise NotInRunError(
                 f"`await {self.describe()}` outside a run: {self.kind_label} can only be awaited inside an "
                 "intervention passed to model.trace / model.atrace / model.generate (or a run's invoke), "
