@@ -32,8 +32,9 @@ def test_attached_points_per_invoke_and_errors():
     with model.trace() as run:
         a = run.invoke(x[:2], read_probe)
         b = run.invoke(x[2:], read_probe)
-    assert torch.allclose(a.result, probe(net(x[:2])))
-    assert torch.allclose(b.result, probe(net(x[2:])))
+    # rows of a batch of 5 against those rows alone: float32 tolerances (BLAS may pick other kernels)
+    torch.testing.assert_close(a.result, probe(net(x[:2])))
+    torch.testing.assert_close(b.result, probe(net(x[2:])))
 
     with pytest.raises(ValueError, match="already"):
         model.attach("probe", probe)

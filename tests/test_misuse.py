@@ -73,7 +73,8 @@ def test_loop_variable_rebound_before_the_run_raises_and_bound_ones_work():
         h_i = X[i:i + 1]
         for layer in net[:i + 1]:
             h_i = layer(h_i)
-        assert torch.allclose(inv.result, h_i)
+        # a row of a batch of 3 against the row alone: float32 tolerances (BLAS may pick other kernels)
+        torch.testing.assert_close(inv.result, h_i)
     assert sorted(shared) == [0, 1, 2]
 
 
