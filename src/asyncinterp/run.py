@@ -415,11 +415,12 @@ class Run:
         order = self.model.call_order
         if order is None:
             return False
-        index = order.index   # (module, kind) -> its place in the pass
-        target = index.get(trap.position)
+        cached = getattr(trap, "order_cache", None)   # (order, place), kept on the point by order.place_of
+        target = cached[1] if cached is not None and cached[0] is order else order.place_of(trap)
         if target is None:
             return False
-        now = index.get(current_point.position)
+        cached = getattr(current_point, "order_cache", None)
+        now = cached[1] if cached is not None and cached[0] is order else order.place_of(current_point)
         return now is not None and target < now
 
     # --------------------------------------------- run interface: lifetime

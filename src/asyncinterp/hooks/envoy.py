@@ -49,6 +49,7 @@ class HookPoint(Point):
         self.write = write
         self.gradient = None
         self.position = (envoy.module, self.base_kind)
+        self.order_cache = None
 
     def describe(self) -> str:
         path = self.envoy.path

@@ -26,6 +26,24 @@ class CallOrder:
         self.index = {}   # (module, "inputs" | "output") -> index: a point's ``position`` looked up at once
         self.complete = False
 
+    def place_of(self, point):
+        """Index of ``point``'s ``position`` in the pass (``None`` if it has none or never ran).
+
+        Once the order is complete, the answer is kept on the point itself
+        (``point.order_cache``, for points that have that slot), so later runs
+        read it there instead of hashing ``(module, kind)`` into ``index``.
+        """
+        cached = getattr(point, "order_cache", None)
+        if cached is not None and cached[0] is self:
+            return cached[1]
+        place = self.index.get(point.position)
+        if self.complete:
+            try:
+                point.order_cache = (self, place)
+            except AttributeError:   # a point kind without the slot: looked up every time
+                pass
+        return place
+
     def position(self, module, kind: str):
         """Index of a point in the pass (``None`` if the module never ran)."""
         return self.index.get((module, "output" if kind == "output" else "inputs"))

@@ -10,7 +10,8 @@ else of it:
   (:class:`~asyncinterp.hooks.host.RunHost`).
 * ``position``: where the point sits in the model's recorded module call
   order, ``(module, "inputs" | "output")``, or ``None`` when it has no place
-  there (gradients). Used to fail an out-of-order await at once.
+  there (gradients). Used to fail an out-of-order await at once; the
+  recorded order keeps its answer on the point (``order_cache``).
 
 Everything users do with a point is shared here: ``await point``, the
 not-in-a-run error, ``point.replace(v)`` / ``point.set(v)``, and ``point.grad``.
@@ -42,7 +43,7 @@ class Point(PointTrap):
     point shows and a replacement back (``None``: identity).
     """
 
-    __slots__ = ("key", "read", "write", "gradient")
+    __slots__ = ("key", "read", "write", "gradient", "order_cache")
 
     #: ``(module, "inputs" | "output")`` in the recorded call order, or ``None`` (a subclass sets it)
     position = None
