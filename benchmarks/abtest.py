@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 import asyncinterp
-from overhead import _median_ci, hooks_read
+from hotpath import gpt2_12x64, gpt2_cases, identity_cases
+from overhead import _median_ci
 
 BASE = "asyncinterp_base"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,50 +65,23 @@ def load_base(where: str, tmp: str):
     return importlib.import_module(BASE)
 
 
+_SHARED = {}
+
+
 def warm_cases(ai, tag):
-    module = nn.Identity()
-    xs = [torch.randn(1, 64) for _ in range(8)]
-    x, x8 = xs[0], torch.cat(xs)
-    model = ai.wrap(module)
-
-    async def empty(m):
-        return None
-
-    async def read(m):
-        return await m.output
-
-    def inv8():
-        with model.trace() as run:
-            invs = [run.invoke(xi, read) for xi in xs]
-        return [inv.result for inv in invs]
-
-    return {f"id-plain": lambda: module(x), f"id-empty@{tag}": lambda: model.trace(x, empty),
-            f"id-b8@{tag}": lambda: model.trace(x8, read), f"id-inv8@{tag}": inv8}
+    if "identity" not in _SHARED:
+        _SHARED["identity"] = nn.Identity()
+    cases = identity_cases(ai, _SHARED["identity"])
+    return {("id-plain" if name == "id-plain" else f"{name}@{tag}"): fn for name, fn in cases.items()}
 
 
-_GPT2 = {}
-
-
-def gpt2_cases(ai, tag):
-    if not _GPT2:
-        from transformers import GPT2Config, GPT2LMHeadModel
-        torch.manual_seed(0)
-        config = GPT2Config(use_cache=False, attn_implementation="eager", n_layer=12, n_embd=64, n_head=4,
-                            vocab_size=1024, n_positions=64, bos_token_id=0, eos_token_id=0)
-        _GPT2["module"] = GPT2LMHeadModel(config).eval()
-        _GPT2["x"] = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
-    module, x = _GPT2["module"], _GPT2["x"]
-    blocks = list(module.transformer.h)
-    model = ai.wrap(module)
-
-    async def empty(m):
-        return None
-
-    async def read_all(m):
-        return [await b.output for b in m.transformer.h]
-
-    return {"gpt2-plain": lambda: module(x), "gpt2-hooks-all": lambda: hooks_read(blocks, lambda: module(x)),
-            f"gpt2-empty@{tag}": lambda: model.trace(x, empty), f"gpt2-read-all@{tag}": lambda: model.trace(x, read_all)}
+def gpt2_cases_of(ai, tag):
+    if "gpt2" not in _SHARED:
+        _SHARED["gpt2"] = gpt2_12x64()
+    cases = gpt2_cases(ai, *_SHARED["gpt2"])
+    out = {name: cases[name] for name in ("gpt2-plain", "gpt2-hooks-all")}
+    out.update({f"{name}@{tag}": cases[name] for name in ("gpt2-empty", "gpt2-read-all")})
+    return out
 
 
 def derived(s, tag):
@@ -138,7 +112,7 @@ def main():
         for g in groups:   # each group in its own loop: the warm cases stay warm
             fns = {}
             for ai, tag in ((base, "base"), (asyncinterp, "new")):
-                fns.update({"warm": warm_cases, "gpt2": gpt2_cases}[g](ai, tag))
+                fns.update({"warm": warm_cases, "gpt2": gpt2_cases_of}[g](ai, tag))
             for fn in fns.values():
                 for _ in range(30):
                     fn()

@@ -43,12 +43,8 @@ GAP_MS = 7
 
 
 def gaps():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    config = GPT2Config(use_cache=False, attn_implementation="eager", n_layer=12, n_embd=64, n_head=4,
-                        vocab_size=1024, n_positions=64, bos_token_id=0, eos_token_id=0)
-    gpt2 = GPT2LMHeadModel(config).eval()
-    tokens = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
+    from hotpath import gpt2_12x64
+    gpt2, tokens = gpt2_12x64()
     big = torch.zeros(4096, 4096)   # 64 MB
     clock = time.perf_counter_ns
 

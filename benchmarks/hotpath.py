@@ -37,50 +37,67 @@ import tempfile
 N_INVOKES = 8
 
 
-def build(case):
+def gpt2_12x64():
+    """Issue 11's model: a 12-block x 64-wide GPT-2 (eager attention, random weights, eval) and its 1 x 32 input."""
     import torch
-    from torch import nn
-
-    import asyncinterp as ai
-
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-
-    async def empty(m):
-        return None
-
-    if case.startswith("id-"):
-        module = nn.Identity()
-        x = torch.randn(1, 64)
-        xs = [torch.randn(1, 64) for _ in range(N_INVOKES)]
-        x8 = torch.cat(xs)
-        model = ai.wrap(module)
-
-        async def read(m):
-            return await m.output
-
-        def inv8():
-            with model.trace() as run:
-                invs = [run.invoke(xi, read) for xi in xs]
-            return [inv.result for inv in invs]
-
-        return {
-            "id-plain": lambda: module(x),
-            "id-empty": lambda: model.trace(x, empty),
-            "id-b8": lambda: model.trace(x8, read),
-            "id-inv8": inv8,
-        }[case]
-
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from overhead import hooks_read   # the same hand-written floor as overhead.py
     torch.manual_seed(0)
     config = GPT2Config(use_cache=False, attn_implementation="eager", n_layer=12, n_embd=64, n_head=4,
                         vocab_size=1024, n_positions=64, bos_token_id=0, eos_token_id=0)
     module = GPT2LMHeadModel(config).eval()
     x = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
+    return module, x
+
+
+def identity_cases(ai, module=None):
+    """The warm cases on ``nn.Identity`` for the asyncinterp package ``ai``: ``id-plain``, ``id-empty``
+    (an empty run), ``id-b8`` (one invoke of batch 8 reading the output) and ``id-inv8`` (8 invokes of batch 1)."""
+    import torch
+    from torch import nn
+
+    module = nn.Identity() if module is None else module
+    x = torch.randn(1, 64)
+    xs = [torch.randn(1, 64) for _ in range(N_INVOKES)]
+    x8 = torch.cat(xs)
+    model = ai.wrap(module)
+
+    async def empty(m):
+        return None
+
+    async def read(m):
+        return await m.output
+
+    def inv8():
+        with model.trace() as run:
+            invs = [run.invoke(xi, read) for xi in xs]
+        return [inv.result for inv in invs]
+
+    return {"id-plain": lambda: module(x), "id-empty": lambda: model.trace(x, empty),
+            "id-b8": lambda: model.trace(x8, read), "id-inv8": inv8}
+
+
+def build(case):
+    import torch
+
+    import asyncinterp as ai
+
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    if case.startswith("id-"):
+        return identity_cases(ai)[case]
+
+    return gpt2_cases(ai, *gpt2_12x64())[case]
+
+
+def gpt2_cases(ai, module, x):
+    """The ``gpt2-*`` cases of ``module`` (see :func:`gpt2_12x64`) for the asyncinterp package ``ai``."""
+    from overhead import hooks_read   # the same hand-written floor as overhead.py
     blocks = list(module.transformer.h)
     model = ai.wrap(module)
+
+    async def empty(m):
+        return None
 
     async def read_all(m):
         return [await b.output for b in m.transformer.h]
@@ -101,7 +118,7 @@ def build(case):
         "gpt2-read1": lambda: model.trace(x, read1),
         "gpt2-hooks-all": hooks_all,
         "gpt2-read-all": lambda: model.trace(x, read_all),
-    }[case]
+    }
 
 
 CASES = ["id-plain", "id-empty", "id-b8", "id-inv8",
