@@ -413,15 +413,7 @@ class Run:
     def already_ran(self, trap, current_point) -> bool:
         """Kernel host: has ``trap`` run already in this pass, the model being at ``current_point``?"""
         order = self.model.call_order
-        if order is None:
-            return False
-        cached = getattr(trap, "order_cache", None)   # (order, place), kept on the point by order.place_of
-        target = cached[1] if cached is not None and cached[0] is order else order.place_of(trap)
-        if target is None:
-            return False
-        cached = getattr(current_point, "order_cache", None)
-        now = cached[1] if cached is not None and cached[0] is order else order.place_of(current_point)
-        return now is not None and target < now
+        return order is not None and order.ran_before(trap, current_point)
 
     # --------------------------------------------- run interface: lifetime
     def on_cleanup(self, handle) -> None:

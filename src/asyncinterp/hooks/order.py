@@ -44,19 +44,13 @@ class CallOrder:
                 pass
         return place
 
-    def position(self, module, kind: str):
-        """Index of a point in the pass (``None`` if the module never ran)."""
-        return self.index.get((module, "output" if kind == "output" else "inputs"))
-
-    def already_ran(self, module, kind, current_module, current_kind) -> bool:
-        """Whether point (module, kind) comes before the current point in the pass."""
-        target = self.position(module, kind)
+    def ran_before(self, point, current) -> bool:
+        """Whether ``point`` comes before ``current`` in the pass (``False`` if either has no place)."""
+        target = self.place_of(point)
         if target is None:
             return False
-        now = self.position(current_module, current_kind)
-        if now is None:
-            return False
-        return target < now
+        now = self.place_of(current)
+        return now is not None and target < now
 
 
 class OrderRecorder:
