@@ -63,7 +63,7 @@ log = logging.getLogger("asyncinterp.vllm")
 _loop_lock = threading.Lock()
 
 
-class _TorchThreadsGuard:
+class _TorchSettingsGuard:
     """Give back the process-wide torch settings a vLLM engine changes, once the last engine is closed.
 
     vLLM's CPU worker replaces ``torch.set_num_threads`` (process-wide) with a
@@ -82,24 +82,20 @@ class _TorchThreadsGuard:
                 ("cudnn.conv", "fp32_precision"), ("cudnn.rnn", "fp32_precision"))
     lock = threading.Lock()
     engines = 0
-    saved = {}
-
-    @staticmethod
-    def _holder(path):
-        obj = torch.backends
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        return obj
+    saved = ()   # (holder, attribute, value) of each setting, taken when the first engine opened
 
     @classmethod
     def opened(cls) -> None:
         with cls.lock:
             if cls.engines == 0:
-                cls.saved = {}
+                saved = []
                 for path, attr in cls.SETTINGS:
-                    holder = cls._holder(path)
+                    holder = torch.backends
+                    for part in path.split("."):
+                        holder = getattr(holder, part, None)
                     if holder is not None and hasattr(holder, attr):
-                        cls.saved[(path, attr)] = getattr(holder, attr)
+                        saved.append((holder, attr, getattr(holder, attr)))
+                cls.saved = tuple(saved)
             cls.engines += 1
 
     @classmethod
@@ -110,9 +106,8 @@ class _TorchThreadsGuard:
                 return
             if torch.set_num_threads is not cls.original:
                 torch.set_num_threads = cls.original
-            for (path, attr), value in cls.saved.items():
-                holder = cls._holder(path)
-                if getattr(holder, attr, value) != value:
+            for holder, attr, value in cls.saved:
+                if getattr(holder, attr) != value:
                     setattr(holder, attr, value)
 
 
@@ -682,12 +677,12 @@ class VLLM(GeneratingModel, VLLMRoot):
                 f"ai.VLLM needs vLLM ({exc}). On CPU install it beside the pinned torch with "
                 "`bash scripts/install_vllm.sh .venv` (make setup does), which also removes vLLM's companion "
                 "wheels that do not load with this torch") from exc
-        _TorchThreadsGuard.opened()
+        _TorchSettingsGuard.opened()
         try:
             llm = vllm.LLM(model=str(model_dir), tokenizer=tokenizer, **kw) if tokenizer is not None \
                 else vllm.LLM(model=str(model_dir), **kw)
         except BaseException:
-            _TorchThreadsGuard.closed()
+            _TorchSettingsGuard.closed()
             raise
         engine = llm.llm_engine
         try:
@@ -707,7 +702,7 @@ class VLLM(GeneratingModel, VLLMRoot):
                 VLLMRoot.__init__(self, _skeleton(skeleton), None)
         except BaseException:
             _shutdown_engine(llm)
-            _TorchThreadsGuard.closed()
+            _TorchSettingsGuard.closed()
             raise
         init = object.__setattr__
         init(self, "llm", llm)
@@ -840,7 +835,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         except Exception:  # noqa: BLE001 - best effort
             pass
         _shutdown_engine(self.llm)
-        _TorchThreadsGuard.closed()
+        _TorchSettingsGuard.closed()
 
     def __enter__(self):
         return self
