@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 import asyncinterp
-from hotpath import gpt2_12x64, gpt2_cases, identity_cases
-from overhead import _median_ci
+from hotpath import gpt2_12x64, gpt2_cases
+from overhead import _median_ci, identity_cases
 
 BASE = "asyncinterp_base"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

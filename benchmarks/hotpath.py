@@ -34,8 +34,6 @@ import subprocess
 import sys
 import tempfile
 
-N_INVOKES = 8
-
 
 def gpt2_12x64():
     """Issue 11's model: a 12-block x 64-wide GPT-2 (eager attention, random weights, eval) and its 1 x 32 input."""
@@ -50,33 +48,6 @@ def gpt2_12x64():
     return module, x
 
 
-def identity_cases(ai, module=None):
-    """The warm cases on ``nn.Identity`` for the asyncinterp package ``ai``: ``id-plain``, ``id-empty``
-    (an empty run), ``id-b8`` (one invoke of batch 8 reading the output) and ``id-inv8`` (8 invokes of batch 1)."""
-    import torch
-    from torch import nn
-
-    module = nn.Identity() if module is None else module
-    x = torch.randn(1, 64)
-    xs = [torch.randn(1, 64) for _ in range(N_INVOKES)]
-    x8 = torch.cat(xs)
-    model = ai.wrap(module)
-
-    async def empty(m):
-        return None
-
-    async def read(m):
-        return await m.output
-
-    def inv8():
-        with model.trace() as run:
-            invs = [run.invoke(xi, read) for xi in xs]
-        return [inv.result for inv in invs]
-
-    return {"id-plain": lambda: module(x), "id-empty": lambda: model.trace(x, empty),
-            "id-b8": lambda: model.trace(x8, read), "id-inv8": inv8}
-
-
 def build(case):
     import torch
 
@@ -85,6 +56,7 @@ def build(case):
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     if case.startswith("id-"):
+        from overhead import identity_cases   # the same warm cases as overhead.py
         return identity_cases(ai)[case]
 
     return gpt2_cases(ai, *gpt2_12x64())[case]

@@ -441,17 +441,15 @@ def bench_model(spec, args, rng, log):
     return out
 
 
-def bench_hot(args, rng, log):
-    """Warm-cache costs: the same calls back to back on ``nn.Identity`` (no model work to evict caches).
+def identity_cases(ai, module=None, xs=None):
+    """The warm cases on ``nn.Identity`` for the asyncinterp package ``ai``: ``id-plain``, ``id-empty``
+    (an empty run), ``id-b8`` (one invoke of batch 8 reading the output) and ``id-inv8`` (8 invokes of batch 1).
 
-    Separates each library's own Python time from the cache effects that a real
-    forward adds around it (see the README).
+    ``xs``: the 8 inputs of batch 1 (random by default); the single-input cases use ``xs[0]``.
     """
-    with_nn = nnsight is not None and not args.no_nnsight
-    module = nn.Identity()
-    x = torch.randn(1, 64)
-    xs = [torch.randn(1, 64) for _ in range(N_INVOKES)]
-    x8 = torch.cat(xs)
+    module = nn.Identity() if module is None else module
+    xs = [torch.randn(1, 64) for _ in range(N_INVOKES)] if xs is None else xs
+    x, x8 = xs[0], torch.cat(xs)
     model = ai.wrap(module)
 
     async def empty(m):
@@ -460,13 +458,27 @@ def bench_hot(args, rng, log):
     async def read(m):
         return await m.output
 
-    def ai_inv8():
+    def inv8():
         with model.trace() as run:
             invs = [run.invoke(xi, read) for xi in xs]
         return [inv.result for inv in invs]
 
-    systems = {"plain": lambda: module(x), "asyncinterp": lambda: model.trace(x, empty),
-               "asyncinterp_b8": lambda: model.trace(x8, read), "asyncinterp8": ai_inv8}
+    return {"id-plain": lambda: module(x), "id-empty": lambda: model.trace(x, empty),
+            "id-b8": lambda: model.trace(x8, read), "id-inv8": inv8}
+
+
+def bench_hot(args, rng, log):
+    """Warm-cache costs: the same calls back to back on ``nn.Identity`` (no model work to evict caches).
+
+    Separates each library's own Python time from the cache effects that a real
+    forward adds around it (see the README).
+    """
+    with_nn = nnsight is not None and not args.no_nnsight
+    xs = [torch.randn(1, 64) for _ in range(N_INVOKES)]
+    x, x8 = xs[0], torch.cat(xs)
+    ours = identity_cases(ai, nn.Identity(), xs)
+    systems = {"plain": ours["id-plain"], "asyncinterp": ours["id-empty"],
+               "asyncinterp_b8": ours["id-b8"], "asyncinterp8": ours["id-inv8"]}
     if with_nn:
         nnmodel = BatchedNNsight(nn.Identity())
 
