@@ -74,6 +74,35 @@ def test_replace_output_by_assignment_and_by_method(mlp):
     assert torch.equal(model.trace(x, method), ref)
 
 
+def test_a_later_intervention_on_the_same_point_sees_an_earlier_ones_replacement(mlp):
+    """Two interventions of one invoke wait on one point: the first replaces it, the second reads the
+    replacement (the kernel's view after the host replaced the firing's entry), as two hand-written hooks
+    registered in that order do."""
+    x = torch.randn(2, 8)
+    model = ai.wrap(mlp)
+    new = torch.full((2, 16), 0.5)
+
+    async def writer(m):
+        await m.layers[3].output
+        m.layers[3].output = new
+
+    async def reader(m):
+        seen = (await m.layers[3].output).clone()
+        return seen, await m.output
+
+    box = {}
+    h1 = mlp.layers[3].register_forward_hook(lambda mod, a, o: new)
+    h2 = mlp.layers[3].register_forward_hook(lambda mod, a, o: box.setdefault("seen", o.clone()))
+    try:
+        ref_out = mlp(x)
+    finally:
+        h1.remove()
+        h2.remove()
+    _, (seen, out) = model.trace(x, writer, reader)
+    assert torch.equal(seen, box["seen"]) and torch.equal(seen, new)
+    assert torch.equal(out, ref_out)
+
+
 def test_replace_input(mlp):
     x = torch.randn(2, 8)
     model = ai.wrap(mlp)
@@ -184,7 +213,7 @@ def test_out_of_order_error_names_both_points_and_line(mlp):
         await m.layers[4].output
         await m.layers[1].output
 
-    for _ in range(2):  # first run records the order live; later runs use the record
+    for _ in range(3):  # run 1 records the order live; run 2 looks it up; run 3 reads the places cached on the points
         with pytest.raises(ai.OutOfOrderError) as info:
             model.trace(torch.randn(1, 8), backwards)
         msg = str(info.value)
