@@ -494,7 +494,8 @@ class Run:
                 entry = kernel.provide(point, entry.view_for, entry)
             if kernel.failures or kernel.stop_requested or self.cancelled:
                 self._interrupt()
-            result = entry.result() if type(entry) is Firing and entry.replaced else None
+            # ``entry`` is the bare output unless a replacement upgraded it to a Firing (see _upgrade)
+            result = None if entry is output else entry.result()
             if self._taps:
                 self._tapped(point, output if result is None else result)
             return result
@@ -507,16 +508,17 @@ class Run:
                 return None
             layout = self.layout
             kernel = self.kernel
+            value = (args, kwargs)
             if type(layout) is Layout:   # see output_hook
-                entry = kernel.provide(point, None, (args, kwargs))
+                entry = kernel.provide(point, None, value)
             else:
-                entry = Firing(point, (args, kwargs), layout)
+                entry = Firing(point, value, layout)
                 entry = kernel.provide(point, entry.view_for, entry)
             if kernel.failures or kernel.stop_requested or self.cancelled:
                 self._interrupt()
-            new = entry.result() if type(entry) is Firing and entry.replaced else None
+            new = None if entry is value else entry.result()
             if self._taps:
-                self._tapped(point, (args, kwargs) if new is None else new)
+                self._tapped(point, value if new is None else new)
             if new is None:
                 return None
             new_args, new_kwargs = new
@@ -933,13 +935,15 @@ def _forgot_await(value) -> bool:
         return True
     if type(value) in (tuple, list):
         for v in value:
-            if type(v) not in _PLAIN_RESULTS and (isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v)):
+            if type(v) not in _PLAIN_ITEMS and (isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v)):
                 return True
     return False
 
 
 #: result types that cannot be a forgotten await (checked without isinstance)
 _PLAIN_RESULTS = frozenset((torch.Tensor, int, float, bool, str, bytes, dict))
+#: the same for the items of a returned tuple or list (only one level is checked: a nested tuple is plain)
+_PLAIN_ITEMS = _PLAIN_RESULTS | {tuple, list, type(None)}
 
 
 def _forgot_await_error(task, value) -> TypeError:

@@ -293,11 +293,10 @@ class Envoy:
         return len(submodules(self.module))
 
     def __iter__(self):
-        children = self._children
-        out = []
-        for k in submodules(self.module):
-            child = children.get(k)
-            out.append(child if child is not None else self._child(k))
+        names = submodules(self.module)
+        out = list(map(self._children.get, names))
+        if None in out:   # some child envoys not made yet (envoys define no __eq__: `in` compares identity)
+            out = [c if c is not None else self._child(k) for k, c in zip(names, out)]
         return iter(out)
 
     def children(self):

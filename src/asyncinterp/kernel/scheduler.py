@@ -254,29 +254,18 @@ class Kernel:
         fired = self.fired
         n = fired.get(key, 0)
         fired[key] = n + 1
-        waiters = self.waiters
-        waiting = waiters.get(key)
+        waiting = self.waiters.get(key)
         if waiting is None:
             return entry
-        active = self.active
-        if len(waiting) == 1:   # the common case: no filtering, no sort
+        if len(waiting) == 1 and self.active is None:   # the common case: no filtering, no sort
             due = waiting
-            (task, call, _), = due
-            if call != n or (active is not None and task.group not in active):
+            if waiting[0][1] != n:
                 return entry
-            del waiters[key]
+            del self.waiters[key]
         else:
-            due = [e for e in waiting if e[1] == n and (active is None or e[0].group in active)]
+            due = self._take_due(key, waiting, n)
             if not due:
                 return entry
-            if len(due) == len(waiting):
-                del waiters[key]
-            elif active is None:
-                waiters[key] = [e for e in waiting if e[1] != n]
-            else:
-                waiters[key] = [e for e in waiting if e[1] != n or e[0].group not in active]
-            if len(due) > 1:
-                due.sort(key=_order_of)
         entries = self.entries
         prev_entry = entries.get(key)
         entries[key] = entry
@@ -309,12 +298,27 @@ class Kernel:
                     self.drain()
         finally:
             self.current_point = previous
-            entry = entries[key]
-            if prev_entry is None:
-                del entries[key]
-            else:
+            entry = entries.pop(key)
+            if prev_entry is not None:
                 entries[key] = prev_entry
         return entry
+
+    def _take_due(self, key, waiting, n):
+        """The waiters of ``key`` due at its call ``n`` (of the groups taking part in the step), in resume order;
+        they leave ``waiters``."""
+        active = self.active
+        due = [e for e in waiting if e[1] == n and (active is None or e[0].group in active)]
+        if not due:
+            return due
+        if len(due) == len(waiting):
+            del self.waiters[key]
+        elif active is None:
+            self.waiters[key] = [e for e in waiting if e[1] != n]
+        else:
+            self.waiters[key] = [e for e in waiting if e[1] != n or e[0].group not in active]
+        if len(due) > 1:
+            due.sort(key=_order_of)
+        return due
 
     def begin_step(self, active=None) -> None:
         """A new step (forward pass) starts: close the old one, wake step waiters.
