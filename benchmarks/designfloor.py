@@ -39,9 +39,7 @@ import argparse
 import gc
 import itertools
 import os
-import random
 import sys
-import time
 from contextvars import ContextVar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -530,23 +528,13 @@ def main():
     args = p.parse_args()
     import torch
 
+    from hotpath import paired_samples
     from overhead import _median_ci
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     fns = cases()
     check(fns)
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    samples = {name: [] for name in fns}
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        order = list(fns)
-        rng.shuffle(order)
-        for name in order:
-            t0 = time.thread_time_ns()
-            fns[name]()
-            samples[name].append((time.thread_time_ns() - t0) / 1000)
+    samples = paired_samples(fns, args.rounds)
 
     def ci(values, fmt):
         m, lo, hi = _median_ci(values)

@@ -194,29 +194,36 @@ def callgrind(cases, n, cache=False):
         return per
 
 
+def paired_samples(fns, rounds, warm=20):
+    """Thread-CPU µs of each call of ``fns`` (name -> callable): each warmed up ``warm`` times, then
+    ``rounds`` interleaved rounds of one call each, in a fresh shuffled order per round (seeded)."""
+    import random
+    import time
+
+    for fn in fns.values():
+        for _ in range(warm):
+            fn()
+    samples = {name: [] for name in fns}
+    rng = random.Random(0)
+    clock = time.thread_time_ns
+    for _ in range(rounds):
+        order = list(fns)
+        rng.shuffle(order)
+        for name in order:
+            t0 = clock()
+            fns[name]()
+            samples[name].append((clock() - t0) / 1000)
+    return samples
+
+
 def time_cases(cases, rounds):
     """Thread-CPU time per call: ``rounds`` interleaved rounds (one call of each case per round, shuffled).
 
     Returns ``{case: median µs}`` and the per-round paired differences/ratios of
     :func:`derived`, each as ``(median, low, high)`` with a ~95% CI (order statistics).
     """
-    import random
-    import time
-
     from overhead import _median_ci
-    fns = {case: build(case) for case in cases}
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    samples = {case: [] for case in cases}
-    rng = random.Random(0)
-    for _ in range(rounds):
-        order = list(cases)
-        rng.shuffle(order)
-        for case in order:
-            t0 = time.thread_time_ns()
-            fns[case]()
-            samples[case].append((time.thread_time_ns() - t0) / 1000)
+    samples = paired_samples({case: build(case) for case in cases}, rounds)
     per_round = [dict(derived({c: samples[c][i] for c in cases})) for i in range(rounds)]
     stats = {label: _median_ci([r[label] for r in per_round]) for label in per_round[0]}
     return {c: _median_ci(v)[0] for c, v in samples.items()}, stats

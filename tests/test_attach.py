@@ -5,6 +5,7 @@ import torch
 
 import asyncinterp as ai
 from docsnippets import python_blocks, run_page
+from gc_helpers import settle_garbage
 
 
 def test_attach_page_runs(capsys):
@@ -58,7 +59,7 @@ def test_attached_module_outside_a_run_and_no_cycles():
         h = await m[0].output
         m[0].output = m.sae(h)
     model.trace(x, splice)
-    gc.collect()
+    settle_garbage()
     gc.disable()
     try:
         model.trace(x, splice)

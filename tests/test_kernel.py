@@ -14,6 +14,7 @@ from asyncinterp.kernel import (
     UnsetFutureError,
 )
 from asyncinterp.kernel.tasks import Steps
+from gc_helpers import settle_garbage
 from kernelfakes import FakeHost, P
 
 
@@ -323,7 +324,7 @@ def test_finished_kernel_leaves_no_reference_cycles():
     import gc
     import weakref
 
-    gc.collect()
+    settle_garbage()
     gc.disable()
     try:
         fut, late = Future("f"), Future("late")
@@ -344,7 +345,7 @@ def test_closing_a_kernel_mid_run_undoes_every_wait():
     import gc
     import weakref
 
-    gc.collect()
+    settle_garbage()
     gc.disable()
     try:
         fut, late = Future("f"), Future("late")

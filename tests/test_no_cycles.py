@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
+from gc_helpers import settle_garbage
 
 
 def _net():
@@ -22,7 +23,7 @@ def _net():
 
 def _garbage_after(run_once):
     run_once()   # warm-up: lazily built caches (call order, checked functions) are not garbage
-    gc.collect()
+    settle_garbage()
     was = gc.isenabled()
     gc.disable()
     try:
