@@ -90,11 +90,15 @@ class Invoke:
         run = self._run
         return run() if isinstance(run, weakref.ref) else run
 
-    def finish(self) -> None:
-        """The run is over: results are final (called by ``Run.finished``)."""
+    def finish(self, run_ref=None) -> None:
+        """The run is over: results are final (called by ``Run.finished`` with a weak reference to the run)."""
         self.done = True
-        if not self.keeps_run and not isinstance(self._run, weakref.ref):
-            self._run = weakref.ref(self._run)
+        if self.keeps_run:
+            return
+        if run_ref is None:
+            run = self._run
+            run_ref = run if type(run) is weakref.ref else weakref.ref(run)
+        self._run = run_ref
 
     def cancel(self) -> None:
         """Thread-safe: close this invoke's interventions at the model's next hook point.
@@ -127,18 +131,15 @@ class Invoke:
         """
         if self.cancelled:
             raise RunCancelled(f"invoke {self.index} was cancelled (Invoke.cancel); the other invokes of its run went on")
-        values = []
-        for t in self.tasks:
+        tasks = self.tasks
+        for t in tasks:
             if not t.done or t.closed:
                 raise RunStopped(f"intervention {t.name!r} of invoke {self.index} did not finish: the run stopped early")
             if t.exc is not None:
                 raise t.exc
-            values.append(t.result)
-        if not values:
-            return None
-        if len(values) == 1:
-            return values[0]
-        return tuple(values)
+        if len(tasks) == 1:
+            return tasks[0].result
+        return tuple([t.result for t in tasks]) if tasks else None
 
 
 class StaleEditWarning(UserWarning):
@@ -327,8 +328,11 @@ class Run:
                         "run.invoke(x, fn)")
         invokes = self.invokes
         inv = Invoke(self, len(invokes), input, fns, kwargs)
-        if self.deferred:
-            inv.closures = _bound_names(fns[0]) if len(fns) == 1 else [c for fn in fns for c in _bound_names(fn)]
+        if self.deferred:   # what the interventions read, as bound now (checked again when the run starts)
+            if len(fns) != 1:
+                inv.closures = [c for fn in fns for c in _bound_names(fn)]
+            elif type(fns[0]) is not FunctionType or fns[0].__code__ not in _binds_nothing:   # (most read nothing)
+                inv.closures = _bound_names(fns[0])
         invokes.append(inv)
         return inv
 
@@ -807,8 +811,9 @@ class Run:
         """Mark the run and its invokes done; raise the interventions' failures (``on_error="stop"``)."""
         self.done = True
         kernel = self.kernel
+        ref = weakref.ref(self)
         for inv in self.invokes:
-            inv.finish()
+            inv.finish(ref)
             for task in inv.tasks:
                 result = task.result
                 if result is not None and type(result) not in _PLAIN_RESULTS and task.done and not task.closed \
@@ -859,10 +864,13 @@ def _bound_names(fn):
         code = getattr(fn, "__code__", None)
         if code is None:
             return ()
+    if code in _binds_nothing:
+        return ()
     names = _names_of_code.get(code)
     if names is None:
         names = _global_names(code)
     if not names and not code.co_freevars:
+        _binds_nothing.add(code)
         return ()
     out = []
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -881,6 +889,7 @@ def _bound_names(fn):
 
 
 _names_of_code = {}   # code object -> the global names it (or its nested code) reads (code objects are few)
+_binds_nothing = set()   # code objects with no closure variables and no global reads (checked first)
 _GLOBAL_LOADS = frozenset(("LOAD_GLOBAL", "LOAD_NAME"))
 
 
@@ -894,6 +903,7 @@ def _global_names(code):
                 found.update(_global_names(const))
         if len(_names_of_code) > 100_000:
             _names_of_code.clear()
+            _binds_nothing.clear()
         names = _names_of_code[code] = tuple(found)
     return names
 
