@@ -29,19 +29,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import random
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 
 import torch
 from torch import nn
 
 import asyncinterp
-from hotpath import gpt2_12x64, gpt2_cases
+from hotpath import gpt2_12x64, gpt2_cases, paired_samples
 from overhead import _median_ci, identity_cases
 
 BASE = "asyncinterp_base"
@@ -113,17 +111,9 @@ def main():
             fns = {}
             for ai, tag in ((base, "base"), (asyncinterp, "new")):
                 fns.update({"warm": warm_cases, "gpt2": gpt2_cases_of}[g](ai, tag))
-            for fn in fns.values():
-                for _ in range(30):
-                    fn()
-            rng = random.Random(0)
-            for s in rounds:
-                order = list(fns)
-                rng.shuffle(order)
-                for case in order:
-                    t0 = time.thread_time_ns()
-                    fns[case]()
-                    s[case] = (time.thread_time_ns() - t0) / 1000
+            samples = paired_samples(fns, args.rounds, warm=30)
+            for i, s in enumerate(rounds):
+                s.update((case, values[i]) for case, values in samples.items())
     base_rows = [derived(s, "base") for s in rounds]
     new_rows = [derived(s, "new") for s in rounds]
     print(f"base = {args.base}, new = working tree ({asyncinterp.__file__}); {args.rounds} paired rounds, "

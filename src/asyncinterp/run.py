@@ -864,8 +864,6 @@ def _bound_names(fn):
         code = getattr(fn, "__code__", None)
         if code is None:
             return ()
-    if code in _binds_nothing:
-        return ()
     names = _names_of_code.get(code)
     if names is None:
         names = _global_names(code)
@@ -889,7 +887,7 @@ def _bound_names(fn):
 
 
 _names_of_code = {}   # code object -> the global names it (or its nested code) reads (code objects are few)
-_binds_nothing = set()   # code objects with no closure variables and no global reads (checked first)
+_binds_nothing = set()   # code objects with no closure variables and no global reads (Run.invoke skips them)
 _GLOBAL_LOADS = frozenset(("LOAD_GLOBAL", "LOAD_NAME"))
 
 
