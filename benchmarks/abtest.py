@@ -15,7 +15,8 @@ Cases (``--cases``, comma-separated groups):
   invokes of batch 1 against 1 invoke of batch 8 (cost per extra invoke);
 * ``gpt2``: a 12-block x 64-wide GPT-2 (eager attention) at 1 x 32 tokens, the
   model of issue 11: the empty run (fixed cost after a forward) and reading
-  every block's output, against the hand-written hooks of overhead.py.
+  every block's output, against the hand-written hooks of overhead.py (once
+  iterating ``m.transformer.h``, once as ``m.layers[i]``, the standard name).
 
 Usage::
 
@@ -78,7 +79,7 @@ def gpt2_cases_of(ai, tag):
         _SHARED["gpt2"] = gpt2_12x64()
     cases = gpt2_cases(ai, *_SHARED["gpt2"])
     out = {name: cases[name] for name in ("gpt2-plain", "gpt2-hooks-all")}
-    out.update({f"{name}@{tag}": cases[name] for name in ("gpt2-empty", "gpt2-read-all")})
+    out.update({f"{name}@{tag}": cases[name] for name in ("gpt2-empty", "gpt2-read-all", "gpt2-read-layers")})
     return out
 
 
@@ -92,6 +93,7 @@ def derived(s, tag):
         out["gpt2 fixed cost, µs"] = s[f"gpt2-empty@{tag}"] - s["gpt2-plain"]
         out["gpt2 every-block read over hooks, µs"] = s[f"gpt2-read-all@{tag}"] - s["gpt2-hooks-all"]
         out["gpt2 every-block read / hooks"] = s[f"gpt2-read-all@{tag}"] / s["gpt2-hooks-all"]
+        out["gpt2 every-block read as m.layers[i] / hooks"] = s[f"gpt2-read-layers@{tag}"] / s["gpt2-hooks-all"]
     return out
 
 

@@ -74,6 +74,9 @@ def gpt2_cases(ai, module, x):
     async def read_all(m):
         return [await b.output for b in m.transformer.h]
 
+    async def read_layers(m):   # the portable spelling the docs recommend: standard name, index per layer
+        return [await m.layers[i].output for i in range(len(blocks))]
+
     async def read1(m):
         return await m.transformer.h[3].output
 
@@ -90,6 +93,7 @@ def gpt2_cases(ai, module, x):
         "gpt2-read1": lambda: model.trace(x, read1),
         "gpt2-hooks-all": hooks_all,
         "gpt2-read-all": lambda: model.trace(x, read_all),
+        "gpt2-read-layers": lambda: model.trace(x, read_layers),
     }
 
 
@@ -285,6 +289,9 @@ def derived(per):
     if "gpt2-read-all" in per and "gpt2-hooks-all" in per:
         lines.append(("gpt2 every-block read over hooks", per["gpt2-read-all"] - per["gpt2-hooks-all"]))
         lines.append(("gpt2 every-block read / hooks (ratio)", per["gpt2-read-all"] / per["gpt2-hooks-all"]))
+    if "gpt2-read-layers" in per and "gpt2-hooks-all" in per:
+        lines.append(("gpt2 every-block read as m.layers[i] / hooks (ratio)",
+                      per["gpt2-read-layers"] / per["gpt2-hooks-all"]))
     return lines
 
 

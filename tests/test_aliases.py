@@ -85,3 +85,24 @@ def test_aliases_page_runs(capsys):
     out = capsys.readouterr().out
     assert "GPT2LMHeadModel (" in out and "LlamaForCausalLM (" in out
     assert "model.layers.1.self_attn" in out and "backbone.blocks.0" in out
+
+
+def test_a_name_read_before_set_alias_follows_the_new_alias(gpt2_hf):
+    """Envoys keep what a name resolved to (a plain attribute read after the first); set_alias drops it."""
+    m = ai.wrap(gpt2_hf)
+    assert m.final_norm.path == "transformer.ln_f"
+    assert m.final_norm is m.transformer.ln_f      # kept: the same envoy on every read
+    set_alias(m, "final_norm", "transformer.h.1")
+    assert m.final_norm.path == "transformer.h.1"
+
+    async def read(m):
+        return (await m.final_norm.output)[0].clone()
+
+    seen = {}
+    h = gpt2_hf.transformer.h[1].register_forward_hook(lambda mod, a, o: seen.update(out=o[0].clone()))
+    try:
+        got = m.trace(_ids(), read)
+        gpt2_hf(_ids())
+    finally:
+        h.remove()
+    assert torch.equal(got, seen["out"])

@@ -66,3 +66,46 @@ def test_attached_module_outside_a_run_and_no_cycles():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+class _NamedSAE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 8)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, h):
+        return self.act(self.encoder(h))
+
+
+def test_attached_children_read_before_the_run_stay_per_invoke():
+    """A child of an attached module read outside a run (and kept on that envoy) is still per invoke inside."""
+    torch.manual_seed(2)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    sae = _NamedSAE()
+    model = ai.wrap(net)
+    model.attach("sae", sae)
+    assert model.sae.encoder.path == "sae.encoder"      # read (and kept) outside any run
+
+    async def read_encoder(m):
+        pre = await ai.spawn(m.sae.encoder.output)
+        m.sae(await m[1].output)
+        return (await pre).clone()
+
+    x = torch.randn(5, 4)
+    with model.trace() as run:
+        a = run.invoke(x[:2], read_encoder)
+        b = run.invoke(x[2:], read_encoder)
+    torch.testing.assert_close(a.result, sae.encoder(net(x[:2])))
+    torch.testing.assert_close(b.result, sae.encoder(net(x[2:])))
+
+
+def test_attaching_under_a_standard_name_read_before_wins(gpt2_hf):
+    """Attached modules come before standard names, also for a name that was already read (and kept)."""
+    model = ai.wrap(gpt2_hf)
+    assert model.embed.path == "transformer.wte"
+    probe = torch.nn.Linear(4, 4)
+    model.attach("embed", probe)
+    assert model.embed.module is probe
+    model.detach("embed")
+    assert model.embed.path == "transformer.wte"

@@ -173,3 +173,21 @@ def test_edited_copy_keeps_per_model_aliases(net):
     assert edited.final_norm.path == "layers.5" and edited.final_norm.root is edited
     set_alias(edited, "final_norm", "layers.4")  # the copy's aliases are its own
     assert model.final_norm.path == "layers.5" and edited.final_norm.path == "layers.4"
+
+
+def test_edited_copy_has_its_own_envoys_for_names_read_before(net):
+    """Child envoys read on the original (and kept on it) do not leak into the copy's tree."""
+    model = ai.wrap(net)
+    original = model.layers[2]
+    edited = model.edit(zero_layer2)
+    assert edited.layers is not model.layers and edited.layers.root is edited
+    assert edited.layers is edited.child("layers")      # one envoy per path in the copy's tree
+    assert edited.layers[2] is not original and edited.layers[2].root is edited
+    assert model.layers[2] is original
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+
+    async def read2(m):
+        return (await m.layers[2].output).clone()
+
+    assert torch.count_nonzero(edited.trace(x, read2)[:, :4]) == 0      # the copy's edit runs
+    assert torch.count_nonzero(model.trace(x, read2)[:, :4]) > 0        # the original has none

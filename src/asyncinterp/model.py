@@ -187,6 +187,7 @@ class Model(Envoy):
         envoy = self.envoy_class_for(module)(module, name, self, self)
         object.__setattr__(envoy, "attached", True)
         self.attachments[name] = envoy
+        self.forget_name(name)   # a standard name read before (``embed``) now means the attached module
         return envoy
 
     def detach(self, name: str) -> None:

@@ -72,6 +72,7 @@ def set_alias(model, name: str, path: str) -> None:
     if _lookup(root, path) is None:
         raise ValueError(f"{path!r} is not a module path of this model")
     _overrides.setdefault(root, {})[name] = path
+    root.forget_name(name)   # the root may have kept what the name meant before
 
 
 def aliases_of(model) -> dict:
