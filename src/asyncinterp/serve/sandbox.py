@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ..hooks.envoy import SEMANTIC_NAMES, Envoy
+from ..hooks.envoy import point as point_descriptor
 from ..hooks.modules import submodules
 from ..hooks.points import Point
 from .batcher import Meter
@@ -1269,6 +1270,9 @@ def _standard(envoy, name):
     return None
 
 
+_POINT_NAMES = {}   # envoy class -> the names of the hook points it declares (classes are few)
+
+
 class SafeEnvoy:
     """The model as submitted code sees it: submodules, hook points, skip, ad-hoc calls; no parameters."""
 
@@ -1279,9 +1283,13 @@ class SafeEnvoy:
         object.__setattr__(self, "_root", root)
 
     def _points(self):
-        from ..hooks.envoy import point
+        """The hook point names the envoy's class declares (worked out once per class)."""
         cls = type(object.__getattribute__(self, "_envoy"))
-        return {name for k in cls.__mro__ for name, v in vars(k).items() if isinstance(v, point)}
+        names = _POINT_NAMES.get(cls)
+        if names is None:
+            names = _POINT_NAMES[cls] = frozenset(
+                name for k in cls.__mro__ for name, v in vars(k).items() if isinstance(v, point_descriptor))
+        return names
 
     def __getattr__(self, name):
         envoy = object.__getattribute__(self, "_envoy")
