@@ -208,9 +208,8 @@ class Envoy:
     def _keep(self, name: str, value):
         """Keep ``value`` as this envoy's attribute ``name`` (``__getattr__`` is not called for it again)."""
         shortcuts = self._shortcuts
-        if shortcuts is None:
-            shortcuts = set()
-            object.__setattr__(self, "_shortcuts", shortcuts)
+        if shortcuts is None:   # setdefault: two threads reading their first name keep one set
+            shortcuts = vars(self).setdefault("_shortcuts", set())
         shortcuts.add(name)
         object.__setattr__(self, name, value)
         return value
