@@ -210,3 +210,28 @@ def test_late_binding_check_reads_names_inside_comprehensions():
         with model.trace() as run:
             run.invoke(X[:1], uses_comprehension)
             scale = 3.0   # noqa: F841 - rebound before the run
+
+
+def test_a_point_of_a_replaced_submodule_says_so():
+    """Envoys mirror the module tree as first read: a module replaced afterwards never fires, and the error says why."""
+    from conftest import MLP
+    net = MLP().eval()
+    model = ai.wrap(net)
+    assert model.layers[2].path == "layers.2"
+    net.layers[2] = torch.nn.Sequential(torch.nn.Linear(16, 16))
+
+    async def read(m):
+        return await m.layers[2].output
+
+    with pytest.raises(ai.MissedHookPoint, match="layers.2 is no longer a submodule.*wrap the model again"):
+        model.trace(torch.randn(2, 8), read)
+    fresh = ai.wrap(net)
+    assert fresh.trace(torch.randn(2, 8), read).shape == (2, 16)
+
+
+def test_points_of_the_live_tree_and_of_attached_modules_carry_no_stale_hint():
+    from conftest import MLP
+    model = ai.wrap(MLP().eval())
+    model.attach("probe", torch.nn.Linear(16, 4))
+    assert model.layers[2].output.hint == "" and model.layers[2][0].output.hint == ""
+    assert model.probe.output.hint == "" and model.output.hint == ""

@@ -58,6 +58,18 @@ class HookPoint(Point):
     def __repr__(self):
         return f"<hook point {self.describe()}>"
 
+    @property
+    def hint(self) -> str:
+        """Appended to the error of a point that never ran: its module was replaced or removed after the envoy was made."""
+        envoy = self.envoy
+        parent = envoy.parent
+        if parent is None or (envoy.attached and not parent.attached):   # the root, or a module attached to it
+            return ""
+        if submodules(parent.module).get(envoy.path.rsplit(".", 1)[-1]) is envoy.module:
+            return ""
+        return (f"; {envoy.path} is no longer a submodule of the wrapped model (it was replaced or removed after "
+                "its envoy was made): envoys mirror the module tree as first read, so wrap the model again")
+
     def activate_in(self, run, task) -> None:
         if self.envoy.root is not run.model:
             raise NotInRunError(
