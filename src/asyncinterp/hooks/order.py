@@ -46,13 +46,10 @@ class CallOrder:
 
     def ran_before(self, point, current) -> bool:
         """Whether ``point`` comes before ``current`` in the pass (``False`` if either has no place)."""
-        # on the read path: the places cached on both points are read here, without calling place_of
-        cached = getattr(point, "order_cache", None)
-        target = cached[1] if cached is not None and cached[0] is self else self.place_of(point)
+        target = self.place_of(point)
         if target is None:
             return False
-        cached = getattr(current, "order_cache", None)
-        now = cached[1] if cached is not None and cached[0] is self else self.place_of(current)
+        now = self.place_of(current)
         return now is not None and target < now
 
 

@@ -62,8 +62,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..hooks.envoy import SEMANTIC_NAMES, Envoy
-from ..hooks.envoy import point as point_descriptor
+from ..hooks.envoy import SEMANTIC_NAMES, Envoy, point as point_descriptor
 from ..hooks.modules import submodules
 from ..hooks.points import Point
 from .batcher import Meter
