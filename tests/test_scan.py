@@ -95,13 +95,17 @@ def test_scan_runs_interventions_with_fake_tensors():
 
 
 def test_scan_is_a_run_of_the_models_own_class_and_sees_edits():
-    from asyncinterp.tools.scan import FakeForward, scan_run
+    from asyncinterp.tools.scan import FakeExecution, ScanEngine, scan_run
     torch.manual_seed(0)
     net = MLP().eval()
     model = ai.wrap(net)
-    run = scan_run(model)
-    assert isinstance(run, FakeForward) and isinstance(run, type(model.new_run()))
-    assert type(scan_run(model)) is type(run)             # one scan class per run class
+    trace = scan_run(model)
+    assert isinstance(trace.engine, ScanEngine) and trace.engine.engine is model.engine("trace")
+    trace.invoke(torch.randn(2, 8))
+    trace.run()
+    # the scan's execution wraps the very run class the model's own engine makes
+    assert isinstance(trace.execution, FakeExecution)
+    assert type(trace.execution.run) is type(model.engine("trace").start(ai.Job()))
 
     async def ablate(m):
         h = await m.layers[2].output

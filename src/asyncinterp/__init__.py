@@ -25,8 +25,10 @@ from .kernel.errors import (
     UnsetFutureError,
 )
 from .kernel.futures import Future
-from .model import Model, Trace, wrap
-from .run import Invoke, LateBindingError, Run, RunStopped, StaleEditWarning
+from .model import Model, wrap
+from .job import InvokeSpec, Job, LateBindingError, Trace
+from .invoke import Invoke, RunStopped
+from .run import Run, StaleEditWarning
 from .kernel.tasks import Steps, gather, spawn
 from .hooks.views import BatchLayout, Layout
 from .hooks.grad import GradPoint, Gradients, backward, gradients
@@ -38,8 +40,8 @@ from .hooks import aliases
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncInterpError", "BatchLayout", "Envoy", "ForeignAwaitError", "Future", "HookPoint", "Invoke",
-    "LateBindingError", "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
+    "AsyncInterpError", "BatchLayout", "Envoy", "ForeignAwaitError", "Future", "HookPoint", "Invoke", "InvokeSpec",
+    "Job", "LateBindingError", "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "StaleEditWarning", "Steps", "Trace", "UnsetFutureError",
     "gather", "in_loop", "point", "spawn", "wrap",
     "GradPoint", "Gradients", "backward", "gradients", "Cache", "cache", "ShapeInfo", "Shapes", "scan",

@@ -35,16 +35,15 @@ import anyio.to_thread
 from .kernel.traps import CallTrap, trap
 
 
-async def run_in_thread(model, run) -> None:
-    """Execute ``run`` in a worker thread; propagate cancellation into the forward."""
+async def run_in_thread(execution) -> None:
+    """Wait for a started job (``execution.wait()``) in a worker thread; propagate cancellation into it."""
     box = {}
     finished = anyio.Event()
-    run.cancellable = True
 
     async def worker():
         try:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(model.execute, run)
+                await anyio.to_thread.run_sync(execution.wait, True)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task below
             box["exc"] = exc
         finally:
@@ -55,7 +54,7 @@ async def run_in_thread(model, run) -> None:
         try:
             await finished.wait()
         except anyio.get_cancelled_exc_class():
-            run.cancel()
+            execution.cancel()
             raise
     if "exc" in box:
         raise box["exc"]

@@ -10,23 +10,18 @@ override how inputs become a forward call and which layout slices the batch.
 from __future__ import annotations
 
 import threading
-from functools import partial
-from operator import attrgetter
 from threading import get_ident
 
-from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
+from .engine import ForwardEngine
 from .hooks.envoy import Envoy
 from .hooks.modules import submodules
 from .kernel.errors import NotInRunError
 from .kernel.scheduler import current_kernel, current_task
 from .hooks.order import CallOrder, OrderRecorder
-from .run import Run
+from .job import Job, Trace
 from .kernel.tasks import Steps
 
 _NOTHING = object()
-
-
-_input_of = attrgetter("input")
 
 
 class _ModelLock:
@@ -56,41 +51,6 @@ class _ModelLock:
         return self._lock.locked()
 
 
-class Trace(Run):
-    """A run being built: ``with model.trace() as run: run.invoke(...)`` executes on exit."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None and not self.done:
-            self.run()
-        return False
-
-    def run(self):
-        """Execute the forward with every invoke added so far; returns ``self``."""
-        if self.done:
-            raise RuntimeError("this trace has already run; build a new one with model.trace()")
-        self.model.execute(self)
-        return self
-
-    async def arun(self):
-        """Like :meth:`run`, from async code (the forward runs in a worker thread)."""
-        from .aio import run_in_thread
-        if self.done:
-            raise RuntimeError("this trace has already run; build a new one with model.trace()")
-        await run_in_thread(self.model, self)
-        return self
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, exc_type, exc, tb):
-        if exc_type is None and not self.done:
-            await self.arun()
-        return False
-
-
 class Model(Envoy):
     """Root envoy of a wrapped ``nn.Module`` and the entry points to run it."""
 
@@ -104,6 +64,7 @@ class Model(Envoy):
         init(self, "_envoy_classes", dict(envoys or {}))
         init(self, "_edits", ())
         init(self, "attachments", {})       # name -> envoy of a module attached with attach()
+        init(self, "_engine", None)
 
     # ------------------------------------------------------------ structure
     def envoy_class_for(self, module):
@@ -131,28 +92,16 @@ class Model(Envoy):
             object.__setattr__(self, "call_order", None)
 
     # -------------------------------------------------------------- running
-    def new_run(self, **options) -> Trace:
-        return Trace(self, **options)
-
-    def _prepare(self, run):
-        """Batch the invokes' inputs, set the run's layout, return the forward callable."""
-        invokes = run.invokes
-        args, kwargs, layout = batch_inputs(list(map(_input_of, invokes)))
-        run.layout = layout
-        module = self.module
-        extra = forward_kwargs(invokes)
-        if extra:
-            check_forward_kwargs(module, extra)
-            kwargs = {**kwargs, **extra}
-        return partial(module, *args, **kwargs)
-
-    def execute(self, run):
-        """Execute a built run on this model (what ``Trace.run`` and ``atrace`` call)."""
-        if self._edits:
-            from .tools.edit import apply_edits
-            apply_edits(self, run)
-        forward = self._prepare(run)
-        run.execute(forward)
+    def engine(self, kind: str = "trace"):
+        """The engine that runs this model's jobs of ``kind`` (``"trace"``; generating models: ``"generate"``)."""
+        if kind != "trace":
+            raise ValueError(f"a wrapped {type(self.module).__name__} runs only traces (one forward pass); "
+                             "generation needs a LanguageModel or VLLM")
+        engine = self._engine
+        if engine is None:
+            engine = ForwardEngine(self)
+            object.__setattr__(self, "_engine", engine)
+        return engine
 
     def scan(self, input, fn=None, modules=None, **options):
         """Shapes and dtypes of hook points from a forward pass with fake tensors (see asyncinterp.tools.scan)."""
@@ -227,14 +176,20 @@ class Model(Envoy):
         functions). ``model.trace()`` returns a :class:`Trace` to fill with
         ``run.invoke(input, fn)`` inside a ``with`` block.
         """
-        run = self.new_run(on_error=on_error)
         if input is _NOTHING and not fns:
-            run.deferred = True   # invokes are added now and run at the end of the block
-            return run
-        inv = run.invoke(None if input is _NOTHING else input, *fns, **kwargs)
-        run.run()
+            return Trace(self, "trace", on_error)
+        engine = self.engine("trace")
+        edits = self._edits
+        if edits:
+            trace = Trace(self, "trace", on_error, engine=engine)
+            inv = trace.invoke(None if input is _NOTHING else input, *fns, **kwargs)
+            execution = trace.start()
+        else:   # one invoke: the job is made directly (the common case, kept short)
+            inv = engine.make_invoke(0, None if input is _NOTHING else input, fns, kwargs, False)
+            execution = engine.start(Job((inv.spec,), "trace", on_error, results=(inv,)))
+        execution.wait()
         if not inv.fns:
-            return run.output
+            return execution.output
         return inv.result
 
     async def atrace(self, input=_NOTHING, *fns, on_error: str = "stop", **kwargs):
@@ -243,14 +198,15 @@ class Model(Envoy):
         Cancelling the awaiting task stops the forward at its next hook point.
         """
         from .aio import run_in_thread
-        run = self.new_run(on_error=on_error)
         if input is _NOTHING and not fns:
             raise TypeError("atrace needs an input and an intervention; for several invokes use "
                             "`async with model.trace() as run:` or `await run.arun()`")
-        inv = run.invoke(None if input is _NOTHING else input, *fns, **kwargs)
-        await run_in_thread(self, run)
+        trace = Trace(self, "trace", on_error)
+        inv = trace.invoke(None if input is _NOTHING else input, *fns, **kwargs)
+        execution = trace.start()
+        await run_in_thread(execution)
         if not inv.fns:
-            return run.output
+            return execution.output
         return inv.result
 
     # ---------------------------------------------------- inside a run only

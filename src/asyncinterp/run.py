@@ -9,19 +9,14 @@ reference it took before it returns.
 
 from __future__ import annotations
 
-import dis
-import functools
 import inspect
-import types
-import warnings
 import weakref
-from inspect import CO_COROUTINE
-from types import CoroutineType, FunctionType
+from functools import partial
+from types import CoroutineType
 
 import torch
 
 from .kernel.errors import (
-    AsyncInterpError,
     MissedHookPoint,
     NotInRunError,
     OutOfOrderError,
@@ -36,10 +31,18 @@ from .hooks.modules import (
     submodules,
     tensor_version,
 )
-from .hooks.views import WHOLE_BATCH, Layout, check_replacement
+from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
+from .hooks.firing import Firing, StaleEditWarning, StaleWatch
+from .hooks.views import WHOLE_BATCH, Layout
+from .invoke import Invoke, RunStopped, forgotten_await
+from .job import LateBindingError, check_captured, check_intervention, is_async_fn
 from .kernel.futures import Future
 from .kernel.scheduler import Kernel, callable_name, current_task
 from .kernel.traps import PointTrap
+
+# Invoke, RunStopped, LateBindingError, check_intervention and is_async_fn lived here before jobs: still importable
+__all__ = ["EVENTS", "Firing", "Invoke", "LateBindingError", "Run", "RunStopped", "StaleEditWarning", "StopForward",
+           "check_intervention", "is_async_fn"]
 
 #: ``run.context`` key of a list of ``(invoke index, event)`` pairs that a run's host hands to its caller
 #: as they are produced (the vLLM engine loop streams them out of worker processes, e.g. ``serve.emit``)
@@ -55,238 +58,39 @@ class StopForward(BaseException):
     """
 
 
-class LateBindingError(AsyncInterpError):
-    """A variable an intervention closes over was rebound between ``run.invoke`` and the run."""
-
-
-class RunStopped(AsyncInterpError):
-    """Reading the result of an invoke whose task did not finish because the run was stopped early."""
-
-
-class Invoke:
-    """One input of a run and the interventions that see its rows."""
-
-    #: whether this invoke still needs its run after the run is over (generation results are read from it);
-    #: otherwise the run is held weakly once done, so a finished run is freed by reference counting alone
-    keeps_run = False
-
-    def __init__(self, run, index, input, fns, kwargs=None):
-        self._run = run
-        self.index = index
-        self.input = input
-        self.fns = list(fns)
-        self.kwargs = kwargs if kwargs is not None else {}
-        self.tasks = []
-
-    # defaults, set on the instance when they change
-    cancelled = False
-    done = False              # set when the run is over
-    closures = ()             # variables its interventions read, as bound when it was added
-    background = False        # runs beside the others (persistent edits): does not keep a generation going
-
-    @property
-    def run(self):
-        """The run this invoke belongs to (``None`` once the run is over and nobody else holds it)."""
-        run = self._run
-        return run() if isinstance(run, weakref.ref) else run
-
-    def finish(self, run_ref=None) -> None:
-        """The run is over: results are final (called by ``Run.finished`` with a weak reference to the run)."""
-        self.done = True
-        if self.keeps_run:
-            return
-        if run_ref is None:
-            run = self._run
-            run_ref = run if type(run) is weakref.ref else weakref.ref(run)
-        self._run = run_ref
-
-    def cancel(self) -> None:
-        """Thread-safe: close this invoke's interventions at the model's next hook point.
-
-        The other invokes of the run, and the forward itself, go on; this
-        invoke's ``result`` then raises ``RunCancelled``. (``Run.cancel`` stops
-        the whole run instead.)
-        """
-        run = self.run
-        if self.done or run is None or run.done:   # too late: it finished; keep its result
-            return
-        self.cancelled = True
-        kernel = run.kernel
-        if kernel is not None:
-            kernel.cancel_group(self.index)
-
-    @property
-    def result(self):
-        """The intervention's return value (a tuple if the invoke has several)."""
-        if not self.done:
-            raise RuntimeError("the run has not been executed yet; leave the `with model.trace()` block or call run.run()")
-        return self.value()
-
-    def value(self):
-        """The result as it stands now, without requiring the run to be over (an invoke that left a run early).
-
-        Raises ``RunCancelled`` for a cancelled invoke, ``RunStopped`` for an
-        intervention that did not finish, or the intervention's own error.
-        ``None`` for an invoke without interventions.
-        """
-        if self.cancelled:
-            raise RunCancelled(f"invoke {self.index} was cancelled (Invoke.cancel); the other invokes of its run went on")
-        tasks = self.tasks
-        for t in tasks:
-            if not t.done or t.closed:
-                raise RunStopped(f"intervention {t.name!r} of invoke {self.index} did not finish: the run stopped early")
-            if t.exc is not None:
-                raise t.exc
-        if len(tasks) == 1:
-            return tasks[0].result
-        return tuple([t.result for t in tasks]) if tasks else None
-
-
-class StaleEditWarning(UserWarning):
-    """An intervention edited, in place, a value it awaited earlier, after the model had moved on."""
-
-
-class _StaleWatch:
-    """Watches the tensor a task holds across one wait on a future or a sub-task.
-
-    Armed when a task parks on a future/join while holding the value of a
-    point (``kernel.parked_holding``). When the task is resumed, if that point's
-    firing is over and the task then changes the tensor in place (the classic:
-    it waited on a future set at a later point, then edited what it held), the
-    model has moved on and the edit is lost: warn, naming the point. Only the
-    task's own resumption is watched, so the model's own in-place ops are not
-    blamed.
-    """
-
-    __slots__ = ("run", "view", "point", "version")
-
-    def __init__(self, run, view, point):
-        self.run = run
-        self.view = view
-        self.point = point
-        self.version = None
-
-    def before(self):
-        if not self.run.in_firing(self.point.key):   # still inside that firing: edits count
-            self.version = tensor_version(self.view)
-
-    def after(self, task):
-        if self.version is None or tensor_version(self.view) == self.version:
-            return
-        where = await_site(task.coro) if not task.done else "its end"
-        warnings.warn(StaleEditWarning(
-            f"intervention {task.name!r} edited the value of {self.point.describe()} in place after the model had "
-            f"run past {self.point.describe()} (it waited on a future or sub-task, and is now at {where}): the "
-            "model has already used that value, so the edit is lost. Edit values right after awaiting them "
-            "(before awaiting anything else), or replace a later point instead."), stacklevel=2)
-
-
-class Firing:
-    """One hook point firing: the full value, per-invoke views, replacements."""
-
-    __slots__ = ("point", "value", "layout", "views", "replaced", "reshaped")
-
-    def __init__(self, point, value, layout):
-        self.point = point
-        self.value = value
-        self.layout = layout
-        self.views = None         # group -> its view, made on first use (none for the whole-batch layout)
-        self.replaced = None      # group -> its replacement
-        self.reshaped = None      # a whole-batch replacement of another shape (opted in)
-
-    def base_view(self, group):
-        """What invoke ``group`` sees of the value now (its replacement, if it made one)."""
-        replaced = self.replaced
-        if replaced is not None and group in replaced:
-            return replaced[group]
-        layout = self.layout
-        if type(layout) is Layout:   # every invoke sees the whole value: nothing to slice or cache
-            return self.value
-        views = self.views
-        if views is None:
-            views = self.views = {}
-        elif group in views:
-            return views[group]
-        v = views[group] = layout.view(self.value, group)
-        return v
-
-    def view_for(self, task, trap):
-        """The value ``task`` is resumed with at ``trap`` (``kernel.provide``'s ``get_value``)."""
-        replaced = self.replaced
-        layout = self.layout
-        if replaced is None and type(layout) is Layout:   # one invoke (the common case): the value itself
-            v = self.value
-        else:
-            group = task.group
-            views = self.views
-            if replaced is not None and group in replaced:
-                v = replaced[group]
-            elif views is None:
-                v = layout.view(self.value, group)
-                if type(layout) is not Layout:
-                    self.views = {group: v}
-            elif group in views:
-                v = views[group]
-            else:
-                v = views[group] = layout.view(self.value, group)
-        read = trap.read
-        return v if read is None else read(v)
-
-    def replace(self, group, trap, new, shape_change: bool = False, dtype_change: bool = False):
-        old = self.base_view(group)
-        if trap.write is not None:
-            new = trap.write(new, old)
-        check_replacement(trap.key.describe(), new, old, shape_change=shape_change, dtype_change=dtype_change)
-        if shape_change and not self.layout.covers_all(group):
-            raise ReplacementError(
-                f"{trap.describe()}: a shape-changing replacement must cover the whole batch, but this invoke "
-                "owns only some of its rows; run it as its own trace, or keep the shape")
-        if self.replaced is None:
-            self.replaced = {}
-        self.replaced[group] = new
-        if self.views:
-            self.views.pop(group, None)
-        if shape_change:
-            self.reshaped = new
-
-    def result(self):
-        if not self.replaced:
-            return None
-        if self.reshaped is not None:
-            return self.reshaped
-        return self.layout.merge(self.value, self.replaced)
-
-
 class Run:
-    """Executes a forward pass (or a generation) with interventions attached.
+    """The kernel's host while one job's forward pass (or generation) executes.
 
-    A run is the kernel's host and implements the run interface
-    (:class:`asyncinterp.hooks.host.RunHost`): the only surface points, tools,
-    the vLLM worker and serving use. See docs/design.md, "The run interface".
+    An engine makes it from a frozen :class:`~asyncinterp.job.Job` (the job's
+    result carriers are its ``invokes``) and ``wait()`` runs it. It implements
+    the run interface (:class:`asyncinterp.hooks.host.RunHost`): the only
+    surface points, tools, the vLLM worker and serving use. See
+    docs/design.md, "The run interface". Subclasses (language models) say how
+    the job's inputs become a forward call (:meth:`prepare`).
     """
 
     #: invokes that called m.stop() under stop_per_invoke (a set once one has)
     stopped_invokes = frozenset()
 
-    def __init__(self, model, layout: Layout | None = None, on_error: str = "stop", stop_per_invoke: bool = False):
-        if on_error != "stop" and on_error != "continue":
-            raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
-                             f"(it fails only its own invoke), got {on_error!r}")
+    def __init__(self, model, job, layout: Layout | None = None):
         # Containers an empty run does not need are made on first use (None until then).
         self.model = model                 # the root envoy (a Model)
+        self.job = job
         self.layout = layout or WHOLE_BATCH
-        self.on_error = on_error
-        self.stop_per_invoke = stop_per_invoke   # m.stop() ends only the caller's invoke (serving)
-        self.deferred = False              # invokes are added now and run later (`with model.trace() as run`)
+        self.on_error = job.on_error
+        self.stop_per_invoke = job.stop_per_invoke   # m.stop() ends only the caller's invoke (serving)
         self.stepping = False              # the run has steps (generation): leaving m.steps() early may end it
-        self.invokes = []
+        self.invokes = invokes = job.results
+        for inv in invokes:
+            inv.bind(self)
         self.kernel = None
         self.done = False
         self.output = None
         self.stopped = False
         self.cancelled = False
-        self.cancellable = False           # set by the aio layer: add cancellation checkpoints
-        self._context = None               # values for this run's interventions and tools (``context``)
+        self.cancellable = False           # add cancellation checkpoints (wait(cancellable=True): aio, serving)
+        context = job.context
+        self._context = dict(context) if context else None   # values for interventions and tools (``context``)
         self._handles = []                 # what cleanup removes, in reverse order
         self._hooks = None                 # the module hooks this run wrote (a HookSet, also in _handles)
         self._installed = _NO_POINTS       # point keys hooked in this run (a set once one is)
@@ -306,35 +110,39 @@ class Run:
             context = self._context = {}
         return context
 
-    @context.setter
-    def context(self, value: dict) -> None:
-        self._context = value
+    # ------------------------------------------------------------ executing a job
+    def prepare(self):
+        """Set the run's layout from the job's inputs; return the callable that runs the forward pass.
 
-    # ------------------------------------------------------------- building
-    def invoke(self, input=None, *fns, **kwargs) -> Invoke:
-        """Add an input (``None``: the invoke sees the whole batch) and its interventions."""
-        if not fns and type(input) is not torch.Tensor and callable(input) and not isinstance(input, torch.Tensor) \
-                and is_async_fn(input):
-            input, fns = None, (input,)
-        for fn in fns:
-            if type(fn) is not FunctionType or not fn.__code__.co_flags & CO_COROUTINE:   # else: an `async def`
-                check_intervention(fn)
-        if kwargs:
-            for name, v in kwargs.items():
-                if inspect.iscoroutine(v) or (callable(v) and is_async_fn(v)):
-                    raise TypeError(
-                        f"keyword argument {name}={callable_name(v)} looks like an intervention, but keyword arguments "
-                        "go to the model's forward; pass interventions positionally: model.trace(x, fn) / "
-                        "run.invoke(x, fn)")
+        The default: the invokes' inputs batched along dim 0 (``hooks.batching``) into one call of the module.
+        """
         invokes = self.invokes
-        inv = Invoke(self, len(invokes), input, fns, kwargs)
-        if self.deferred:   # what the interventions read, as bound now (checked again when the run starts)
-            if len(fns) != 1:
-                inv.closures = [c for fn in fns for c in _bound_names(fn)]
-            elif type(fns[0]) is not FunctionType or fns[0].__code__ not in _binds_nothing:   # (most read nothing)
-                inv.closures = _bound_names(fns[0])
-        invokes.append(inv)
-        return inv
+        args, kwargs, layout = batch_inputs([inv.spec.input for inv in invokes])
+        self.layout = layout
+        module = self.model.module
+        extra = forward_kwargs(invokes)
+        if extra:
+            check_forward_kwargs(module, extra)
+            kwargs = {**kwargs, **extra}
+        return partial(module, *args, **kwargs)
+
+    def wait(self, cancellable: bool = False, around=None) -> None:
+        """Run the job: prepare the forward, execute it, raise the failures (``on_error="stop"``).
+
+        ``cancellable``: :meth:`cancel` may come from another thread meanwhile (adds checkpoints).
+        ``around(forward)``: a wrapper of the forward callable (a scan runs it with fake tensors).
+        """
+        if self.done:
+            raise RuntimeError("this run has already executed; submit the job again for a new run")
+        self.cancellable = cancellable
+        forward = self.prepare()
+        self.execute(forward if around is None else around(forward))
+
+    def cancel_invoke(self, index) -> None:
+        """Thread-safe: close invoke ``index``'s interventions at the next hook point (``Invoke.cancel``)."""
+        kernel = self.kernel
+        if kernel is not None:
+            kernel.cancel_group(index)
 
     # ------------------------------------------------ run interface: points
     def activate(self, trap, task) -> None:
@@ -641,7 +449,7 @@ class Run:
         """Kernel host: ``task`` waits on a future or sub-task holding the value of ``task.position``."""
         v = task.last_value
         if type(v) is torch.Tensor and not v.is_inference() and task.position is not None:
-            task.watch = _StaleWatch(self, v, task.position)
+            task.watch = StaleWatch(self, v, task.position)
 
     def left_step_loop(self, task) -> None:
         """Kernel host: ``task`` finished while inside ``m.steps()`` (it left with ``break``/``return``).
@@ -736,14 +544,13 @@ class Run:
         ``finish`` and ``cleanup``.
         """
         invokes = self.invokes
-        if self.deferred:
-            for inv in invokes:
-                if inv.closures:
-                    _check_closures(inv)
+        for inv in invokes:
+            if inv.spec.captured:
+                check_captured(inv.spec, inv.index)
         kernel = self.kernel = Kernel(self, self.on_error)
         model = self.model
         for inv in invokes:
-            for fn in inv.fns:
+            for fn in inv.spec.fns:
                 coro = fn(model)
                 if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):
                     raise TypeError(
@@ -815,10 +622,9 @@ class Run:
         for inv in self.invokes:
             inv.finish(ref)
             for task in inv.tasks:
-                result = task.result
-                if result is not None and type(result) not in _PLAIN_RESULTS and task.done and not task.closed \
-                        and task.exc is None and _forgot_await(result):
-                    task.exc = _forgot_await_error(task, result)
+                err = forgotten_await(task)
+                if err is not None:
+                    task.exc = err
                     if kernel is not None:
                         kernel.failures.append(task.exc)
         failures = kernel.failures if kernel is not None else ()
@@ -848,121 +654,7 @@ class Run:
         raise group(f"{len(failures)} interventions failed", failures)
 
 
-def _bound_names(fn):
-    """``(function, name, holder, value)`` for each closure variable and global ``fn`` reads, as bound now.
-
-    ``holder`` is the closure cell, or the function's globals dict. Names that
-    hold modules, classes and functions are left out (rebinding those is not
-    the loop-variable mistake this guards against).
-    """
-    if type(fn) is FunctionType:
-        code = fn.__code__
-    else:
-        while isinstance(fn, functools.partial):
-            fn = fn.func
-        fn = getattr(fn, "__func__", fn)
-        code = getattr(fn, "__code__", None)
-        if code is None:
-            return ()
-    names = _names_of_code.get(code)
-    if names is None:
-        names = _global_names(code)
-    if not names and not code.co_freevars:
-        _binds_nothing.add(code)
-        return ()
-    out = []
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        try:
-            value = cell.cell_contents
-        except ValueError:   # not bound yet
-            continue
-        if not isinstance(value, _DEFINITIONS):
-            out.append((fn, name, cell, value))
-    glob = fn.__globals__
-    for name in names:
-        value = glob.get(name, _UNBOUND)
-        if value is not _UNBOUND and not isinstance(value, _DEFINITIONS):
-            out.append((fn, name, glob, value))
-    return out
-
-
-_names_of_code = {}   # code object -> the global names it (or its nested code) reads (code objects are few)
-_binds_nothing = set()   # code objects with no closure variables and no global reads (Run.invoke skips them)
-_GLOBAL_LOADS = frozenset(("LOAD_GLOBAL", "LOAD_NAME"))
-
-
-def _global_names(code):
-    """The global names ``code`` (or code nested in it) reads: its ``LOAD_GLOBAL``s, not its attribute names."""
-    names = _names_of_code.get(code)
-    if names is None:
-        found = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_LOADS}
-        for const in code.co_consts:
-            if hasattr(const, "co_names"):   # comprehensions, nested functions
-                found.update(_global_names(const))
-        if len(_names_of_code) > 100_000:
-            _names_of_code.clear()
-            _binds_nothing.clear()
-        names = _names_of_code[code] = tuple(found)
-    return names
-
-
-_DEFINITIONS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
-
-
-def _check_closures(inv) -> None:
-    for fn, name, holder, value in inv.closures:
-        if type(holder) is dict:
-            now = holder.get(name, _UNBOUND)
-        else:
-            try:
-                now = holder.cell_contents
-            except ValueError:
-                now = _UNBOUND
-        if now is not value:
-            raise LateBindingError(
-                f"intervention {callable_name(fn)} of invoke {inv.index} uses the variable {name!r}, which was "
-                f"{_short(value)} when the invoke was added and is {_short(now)} now that the run starts: "
-                "Python closures see a variable's latest value (a loop variable ends at its last value), so "
-                "every invoke would use the same one. Bind it when adding the invoke: "
-                f"`async def fn(m, {name}={name}): ...` or functools.partial(fn, {name}={name}).")
-
-
-_UNBOUND = object()
 _NO_POINTS = frozenset()       # Run._installed / _kept until the run hooks something
-
-
-def _short(value) -> str:
-    if value is _UNBOUND:
-        return "unbound"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _forgot_await(value) -> bool:
-    if isinstance(value, (PointTrap, Future)) or inspect.iscoroutine(value):
-        return True
-    if type(value) in (tuple, list):
-        for v in value:
-            if type(v) not in _PLAIN_ITEMS and (isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v)):
-                return True
-    return False
-
-
-#: result types that cannot be a forgotten await (checked without isinstance)
-_PLAIN_RESULTS = frozenset((torch.Tensor, int, float, bool, str, bytes, dict))
-#: the same for the items of a returned tuple or list (only one level is checked: a nested tuple is plain)
-_PLAIN_ITEMS = _PLAIN_RESULTS | {tuple, list, type(None)}
-
-
-def _forgot_await_error(task, value) -> TypeError:
-    items = value if type(value) in (tuple, list) else (value,)
-    for v in items:
-        if inspect.iscoroutine(v):
-            v.close()   # no "never awaited" warning on top of this error
-    what = ", ".join(repr(v) for v in items if isinstance(v, (PointTrap, Future)) or inspect.iscoroutine(v))
-    return TypeError(
-        f"intervention {task.name!r} returned {what} instead of its value: an `await` is missing "
-        "(write `return await m.x.output`, not `return m.x.output`)")
 
 
 class _ForwardRestore:
@@ -976,46 +668,3 @@ class _ForwardRestore:
 
     def remove(self):
         set_instance_forward(self.module, self.original)
-
-
-def is_async_fn(fn) -> bool:
-    """True for an ``async def`` function (or an object whose ``__call__`` is one)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
-_checked = weakref.WeakSet()
-
-
-def check_intervention(fn) -> None:
-    """Raise a clear ``TypeError`` unless ``fn`` can be an intervention (an ``async def fn(m)``)."""
-    try:
-        if fn in _checked:
-            return
-    except TypeError:  # unhashable callables are checked every time
-        pass
-    _check_intervention_once(fn)
-    try:
-        _checked.add(fn)
-    except TypeError:
-        pass
-
-
-def _check_intervention_once(fn) -> None:
-    if inspect.iscoroutine(fn):
-        raise TypeError(
-            f"got a coroutine object {fn!r}; pass the async function itself (e.g. `fn`, not `fn(m)`), "
-            "or wrap arguments with functools.partial / a lambda returning a coroutine")
-    if not callable(fn):
-        raise TypeError(f"an intervention must be an `async def` function taking the model envoy, got {fn!r}")
-    if not is_async_fn(fn) and not _returns_coroutine_hint(fn):
-        raise TypeError(
-            f"{callable_name(fn)} is a plain function; interventions must be `async def` functions taking the model "
-            "envoy (`async def fn(m): h = await m.layer.output`)")
-
-
-def _returns_coroutine_hint(fn) -> bool:
-    # functools.partial of an async function, or a lambda returning a coroutine: allowed, checked when called
-    if isinstance(fn, functools.partial):
-        return is_async_fn(fn.func) or _returns_coroutine_hint(fn.func)
-    return getattr(fn, "__name__", "") == "<lambda>"
-

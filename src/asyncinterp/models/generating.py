@@ -1,8 +1,9 @@
 """Entry points, token helpers and invoke results shared by every generating model (transformers, vLLM).
 
-``generate``/``agenerate`` build a run with ``self._generation(max_new_tokens,
-on_error, options)`` — the one method each model supplies — add one invoke
-and execute it; ``to_tokens``/``token_id``/``decode`` use ``self._tok()``.
+``generate``/``agenerate`` build a job of kind ``"generate"`` (its
+``generation`` options: ``max_new_tokens`` and the rest) and hand it to the
+model's ``engine("generate")`` — the one thing each model supplies;
+``to_tokens``/``token_id``/``decode`` use ``self._tok()``.
 An invoke of a generation is a :class:`GeneratedInvoke`: its result plus what
 was generated for it (``.tokens``, ``.text``, ``.stopped``).
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..hooks.envoy import point
-from ..run import Invoke
+from ..invoke import Invoke
+from ..job import Trace
 
 _NOTHING = object()
 
@@ -60,7 +62,7 @@ class GeneratedInvoke(Invoke):
     def result(self):
         """The intervention's return value (``None`` without one; a tuple for several)."""
         if not self.fns:
-            if not self.run.done:
+            if not self.done:
                 raise RuntimeError("the generation has not run yet")
             return None
         return Invoke.result.fget(self)
@@ -90,11 +92,11 @@ class GeneratedInvoke(Invoke):
 
     def check_done(self) -> None:
         """Raise ``RuntimeError`` unless the run has executed."""
-        if not self.run.done:
+        if not self.done:
             raise RuntimeError("the generation has not run yet; leave the `with model.generate(...)` block first")
 
     def __repr__(self):
-        if not self.run.done:
+        if not self.done:
             return f"<{self.repr_name} {self.index} (not run)>"
         return f"<{self.repr_name} {self.index} text={self.text!r}>"
 
@@ -114,7 +116,8 @@ class GeneratingModel:
         or a list: a prompt's generation ends at the token that completes one
         of them) and ``seed`` (sampling).
         """
-        run = self._generation(_checked_max_new_tokens(max_new_tokens), on_error, options)
+        run = Trace(self, "generate", on_error,
+                    generation=dict(options, max_new_tokens=_checked_max_new_tokens(max_new_tokens)))
         if input is _NOTHING and not fns:
             return run
         inv = run.invoke(None if input is _NOTHING else input, *fns)
@@ -127,9 +130,10 @@ class GeneratingModel:
         if input is _NOTHING:
             raise TypeError("agenerate needs a prompt; for several prompts use "
                             "`async with model.generate(...) as run:` and run.invoke(...)")
-        run = self._generation(_checked_max_new_tokens(max_new_tokens), on_error, options)
+        run = Trace(self, "generate", on_error,
+                    generation=dict(options, max_new_tokens=_checked_max_new_tokens(max_new_tokens)))
         inv = run.invoke(input, *fns)
-        await run_in_thread(self, run)
+        await run_in_thread(run.start())
         return inv
 
     def to_tokens(self, text: str) -> list:

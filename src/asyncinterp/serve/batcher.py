@@ -46,6 +46,7 @@ import torch
 
 from .. import aio
 from ..kernel.errors import RunCancelled
+from ..job import Trace
 from ..kernel.scheduler import current_kernel, current_task
 from ..models.generating import check_stop, stop_hit
 from ..run import EVENTS
@@ -674,16 +675,16 @@ class Batcher(aio.Closable):
     def _run(self, live):
         model = self.model
         generating = live[0].kind == "generate"
-        if generating:
-            n_max = max(r.max_new_tokens for r in live)
-            run = model.generate(max_new_tokens=n_max, on_error="continue", **live[0].gen)
-        else:
-            run = model.trace(on_error="continue")
-        requests = {}
-        run.context[REQUESTS] = requests
         # m.stop() from one request ends that request only (its unfinished tasks are closed at the next hook
         # point, as a stopped run would leave them); the shared forward goes on for the others
-        run.stop_per_invoke = True
+        if generating:
+            n_max = max(r.max_new_tokens for r in live)
+            run = Trace(model, "generate", "continue", stop_per_invoke=True,
+                        generation=dict(live[0].gen, max_new_tokens=n_max))
+        else:
+            run = Trace(model, "trace", "continue", stop_per_invoke=True)
+        requests = {}
+        run.context[REQUESTS] = requests
         for r in live:
             try:
                 inv = run.invoke(r.input, *r.fns, **r.kwargs)
@@ -695,7 +696,7 @@ class Batcher(aio.Closable):
         if not requests:
             return
         if generating:
-            run.invoke(None, _GenerationWatch(self, run, requests))
+            run.invoke(None, _GenerationWatch(self, requests))
         self._current = run
         try:
             if self.no_grad:
@@ -828,15 +829,15 @@ class _GenerationWatch:
     (``Kernel.end_group``) and gets its result at once.
     """
 
-    def __init__(self, batcher, run, requests):
-        self.run = run
+    def __init__(self, batcher, requests):
+        self.run = None               # the run hosting the generation, once it starts
         self.requests = requests
         self.tokenizer = batcher.model.tokenizer
         self.eos = _eos_ids(batcher.model)
         self.__qualname__ = self.__name__ = "serve-generation-watch"
 
     async def __call__(self, m):
-        run = self.run
+        run = self.run = current_kernel().host
         run.tap(m.tokens, self._on_tokens)
         return None
 

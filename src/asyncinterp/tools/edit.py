@@ -8,24 +8,26 @@ the whole batch. ``model.edit(fn, inplace=True)`` edits ``model`` itself.
 ``remove_edits()`` removes them (all, or one function); since an edit is only
 a task of each run, removing it restores the exact original outputs.
 
-How it works: when a run of an edited model is executed, one invoke without
-input (so it sees every row) is put first, holding one task per edit. Invoke
-order decides who is resumed first at a shared hook point, so the run's own
-interventions see the edited values. Each edit task loops over the run's
-steps (``async for _ in m.steps()``) and calls the edit once per step.
+How it works: a job of an edited model (made by ``model.trace()``,
+``generate``, ``atrace``, serving) starts with one background invoke without
+input (so it sees every row), holding one task per edit; the job takes the
+edits the model has when the job is made, and its own invokes come after, so
+their indices never change. Invoke order decides who is resumed first at a
+shared hook point, so the run's own interventions see the edited values. Each
+edit task loops over the run's steps (``async for _ in m.steps()``) and calls
+the edit once per step.
 """
 
 from __future__ import annotations
 
 import copy
 
-from ..run import is_async_fn
 from ..hooks import aliases
 from ..hooks.envoy import Envoy
+from ..job import check_intervention, is_async_fn
 from ..kernel.traps import PointTrap
-from ..run import check_intervention
 
-__all__ = ["edit", "remove_edits", "apply_edits"]
+__all__ = ["edit", "edit_invoke", "remove_edits"]
 
 
 def _check(fn):
@@ -59,27 +61,6 @@ def remove_edits(model, fn=None) -> None:
     kept = list(edits)
     kept.remove(fn)
     model.edits = kept
-
-
-def apply_edits(model, run) -> None:
-    """Put the model's edits first in ``run`` (called when the run executes)."""
-    edits = model.edits
-    applied = run.state(apply_edits, lambda: [False])
-    if not edits or applied[0]:
-        return
-    applied[0] = True
-    run.invoke(None, *[_every_step(fn) for fn in edits]).background = True
-    run.invokes.insert(0, run.invokes.pop())
-    for i, inv in enumerate(run.invokes):
-        inv.index = i
-
-
-def _every_step(fn):
-    async def edit_task(m):
-        async for _ in m.steps():
-            await fn(m)
-    edit_task.__qualname__ = f"edit {getattr(fn, '__qualname__', repr(fn))}"
-    return edit_task
 
 
 # ------------------------------------------------------------------ cloning

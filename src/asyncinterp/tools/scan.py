@@ -21,6 +21,11 @@ wrong replacement shapes) before a real run::
         return h.shape
     model.scan(x, check)
 
+How it works: a scan is a job of kind ``"trace"`` handed to a
+:class:`ScanEngine`, which wraps the model's own engine: the run it starts is
+the model's usual run (language models pad and slice as always); only the
+forward (and the intervention code resumed inside it) sees fake tensors.
+
 Limits: code that needs real values (``.item()``, data-dependent control
 flow) fails under fake tensors with torch's own error; generation is not
 scanned (a scan is one forward pass).
@@ -28,16 +33,15 @@ scanned (a scan is one forward pass).
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
 
-from ..run import is_async_fn
-from .cache import Cache, KeyNode
 from ..hooks.views import map_tensors
+from ..job import Trace, is_async_fn
+from .cache import Cache, KeyNode
 
-__all__ = ["FakeForward", "ShapeInfo", "Shapes", "scan", "scan_run", "fake_mode"]
+__all__ = ["FakeExecution", "FakeForward", "ScanEngine", "ShapeInfo", "Shapes", "scan", "scan_run", "fake_mode"]
 
 
 class ShapeInfo(NamedTuple):
@@ -86,31 +90,53 @@ def _info(t):
     return ShapeInfo(t.shape, t.dtype, t.device)
 
 
-class FakeForward:
-    """Mixin for a run class: the run's forward pass runs under :func:`fake_mode`.
+class ScanEngine:
+    """Runs jobs on another engine's runs with fake tensors: ``ScanEngine(model.engine("trace"))``."""
 
-    It overrides the run's public ``execute(forward)``: the interventions start,
-    hook and finish as in any run; only the forward (and the intervention code
-    resumed inside it) sees fake tensors.
-    """
+    def __init__(self, engine):
+        self.engine = engine
+        self.model = engine.model
 
-    def execute(self, forward) -> None:
-        def fake_forward():
-            with fake_mode():
-                return forward()
-        super().execute(fake_forward)
+    def make_invoke(self, index, input, fns, kwargs, deferred):
+        return self.engine.make_invoke(index, input, fns, kwargs, deferred)
 
-
-_scan_classes = weakref.WeakKeyDictionary()   # run class -> its FakeForward subclass
+    def start(self, job) -> "FakeExecution":
+        return FakeExecution(self.engine.start(job))
 
 
-def scan_run(model, **options):
-    """A run of ``model`` (of the class ``model.new_run`` makes) whose forward runs with fake tensors."""
-    base = type(model.new_run(**options))
-    cls = _scan_classes.get(base)
-    if cls is None:
-        cls = _scan_classes[base] = type(f"Scan{base.__name__}", (FakeForward, base), {})
-    return cls(model, **options)
+class FakeExecution:
+    """A started run whose forward runs under :func:`fake_mode`; the interventions start and finish as usual."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def wait(self, cancellable: bool = False) -> None:
+        self.run.wait(cancellable, around=_faked)
+
+    def cancel(self) -> None:
+        self.run.cancel()
+
+    def cancel_invoke(self, index) -> None:
+        self.run.cancel_invoke(index)
+
+    def __getattr__(self, name):   # done, output, stopped, layout: the run's
+        return getattr(self.run, name)
+
+
+#: the name of the scan's execution before jobs (kept importable)
+FakeForward = FakeExecution
+
+
+def scan_run(model, on_error: str = "stop") -> Trace:
+    """A job of ``model`` being built, to be run on the model's own engine with fake tensors."""
+    return Trace(model, "trace", on_error, engine=ScanEngine(model.engine("trace")))
+
+
+def _faked(forward):
+    def fake_forward():
+        with fake_mode():
+            return forward()
+    return fake_forward
 
 
 def scan(model, input, fn=None, modules=None, *, outputs: bool = True, inputs: bool = False, points=None,

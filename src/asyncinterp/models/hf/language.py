@@ -29,7 +29,7 @@ from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
 from ..generating import GeneratingModel, generation_point
 from .inputs import context_length
-from .runs import GenerateRun, Generation, LMRun
+from .runs import GenerateRun, Generation, LMForwardEngine, LMGenerateEngine, LMRun  # noqa: F401 (public names)
 from .taps import make_taps
 
 
@@ -70,6 +70,7 @@ class LanguageModel(GeneratingModel, Model):
         init(self, "generation_points", make_taps(self))        #: ``logits``, ``tokens`` (tap points, see .taps)
         init(self, "context_length", context_length(model.config))
         init(self, "takes_position_ids", "position_ids" in inspect.signature(model.forward).parameters)
+        init(self, "_engines", None)
 
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, **hf_kwargs) -> "LanguageModel":
@@ -85,15 +86,17 @@ class LanguageModel(GeneratingModel, Model):
             tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer)
 
-    # ------------------------------------------------------------------ runs
-    def new_run(self, **options) -> LMRun:
-        return LMRun(self, **options)
-
-    def _prepare(self, run):
-        return run.prepare()
-
-    def _generation(self, max_new_tokens, on_error, kwargs) -> GenerateRun:
-        return GenerateRun(self, dict(kwargs, max_new_tokens=max_new_tokens), on_error=on_error)
+    # ------------------------------------------------------------------ engines
+    def engine(self, kind: str = "trace"):
+        """The engine of this model's jobs of ``kind``: ``"trace"`` (one padded forward) or ``"generate"``."""
+        engines = self._engines
+        if engines is None:
+            engines = {"trace": LMForwardEngine(self), "generate": LMGenerateEngine(self)}
+            object.__setattr__(self, "_engines", engines)
+        try:
+            return engines[kind]
+        except KeyError:
+            raise ValueError(f"a LanguageModel runs jobs of kind 'trace' or 'generate', not {kind!r}") from None
 
     # ------------------------------------------------------ inside a run only
     @property

@@ -1,6 +1,8 @@
-"""Runs of a language model: one forward pass (``LMRun``) or a generation (``GenerateRun``).
+"""The engines of a language model and their runs: one forward pass (``LMRun``) or a generation (``GenerateRun``).
 
-Both tokenise and left-pad the invokes' prompts into one batch and slice it
+:class:`LMForwardEngine` and :class:`LMGenerateEngine` take jobs of kind
+``"trace"`` and ``"generate"``; each makes the run that hosts the kernel
+while the forward (or ``generate``) executes. Both runs tokenise and left-pad the invokes' prompts into one batch and slice it
 with a padding-aware layout (see :mod:`.padding`), so each invoke sees what
 its prompt alone would produce. A generation also
 
@@ -22,8 +24,9 @@ import contextlib
 import torch
 
 from ...kernel.errors import NotInRunError
+from ...engine import describe_invoke
 from ...hooks.batching import forward_kwargs
-from ...model import Trace
+from ...run import Run
 from ..generating import Generated, GeneratedInvoke, check_stop, stop_hit
 from .inputs import build_batch, check_length, pad_id_of
 from .padding import PaddedLayout
@@ -36,13 +39,39 @@ def _device_of(module):
     return None
 
 
-class LMRun(Trace):
-    """One forward pass of a :class:`~asyncinterp.models.hf.language.LanguageModel`."""
+class LMForwardEngine:
+    """Takes ``"trace"`` jobs of a :class:`~asyncinterp.models.hf.language.LanguageModel`: one padded forward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def make_invoke(self, index, input, fns, kwargs, deferred):
+        return describe_invoke(index, input, fns, kwargs, deferred)
+
+    def start(self, job) -> "LMRun":
+        return LMRun(self.model, job)
+
+
+class LMGenerateEngine(LMForwardEngine):
+    """Takes ``"generate"`` jobs of a language model: transformers' ``generate``, one kernel step per pass."""
+
+    def make_invoke(self, index, input, fns, kwargs, deferred):
+        if kwargs:
+            raise TypeError(f"generation invokes take no keyword arguments (got {sorted(kwargs)}); pass "
+                            "generation options to model.generate(...)")
+        return describe_invoke(index, input, fns, kwargs, deferred, Generation)
+
+    def start(self, job) -> "GenerateRun":
+        return GenerateRun(self.model, job)
+
+
+class LMRun(Run):
+    """The kernel's host for one forward pass of a :class:`~asyncinterp.models.hf.language.LanguageModel`."""
 
     generating = False
 
-    def __init__(self, model, on_error: str = "stop"):
-        super().__init__(model, on_error=on_error)
+    def __init__(self, model, job):
+        super().__init__(model, job)
         self.batch = None
 
     # ---------------------------------------------------------------- kernel host
@@ -64,7 +93,7 @@ class LMRun(Trace):
     def _batch(self, extra_tokens: int = 0):
         lm = self.model
         module = lm.module
-        batch = build_batch([inv.input for inv in self.invokes], lm.tokenizer, _device_of(module))
+        batch = build_batch([inv.spec.input for inv in self.invokes], lm.tokenizer, _device_of(module))
         check_length([p for p in batch.prompts if p is not None], lm.context_length, extra_tokens)
         self.batch = batch
         self.layout = batch.layout
@@ -100,26 +129,16 @@ class Generation(GeneratedInvoke):
 
 
 class GenerateRun(LMRun):
-    """A generation (``model.generate``): one kernel step per forward pass."""
+    """The kernel's host for a generation (``model.generate``): one kernel step per forward pass."""
 
     generating = True
 
-    def __init__(self, model, generate_kwargs: dict, on_error: str = "stop"):
-        super().__init__(model, on_error=on_error)
-        self.generate_kwargs = dict(generate_kwargs)
+    def __init__(self, model, job):
+        super().__init__(model, job)
+        self.generate_kwargs = dict(job.generation)
         self._sequences = None
         self._eos = ()
         self._stops = ()
-
-    def invoke(self, input=None, *fns, **kwargs) -> Generation:
-        """Add a prompt (``None``: see every row) and its interventions."""
-        if kwargs:
-            raise TypeError(f"generation invokes take no keyword arguments (got {sorted(kwargs)}); pass "
-                            "generation options to model.generate(...)")
-        base = super().invoke(input, *fns)
-        inv = Generation(self, base.index, base.input, base.fns, base.kwargs)
-        self.invokes[-1] = inv
-        return inv
 
     # ---------------------------------------------------------------- results
     def sequences_so_far(self) -> torch.Tensor:

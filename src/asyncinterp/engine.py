@@ -1,0 +1,94 @@
+"""Engines take jobs: the one interface between "what is asked" and "what runs it".
+
+A :class:`~asyncinterp.job.Job` says what to run; an engine runs it. Each kind
+of execution is an engine beside the others, never a subclass of another:
+
+============================  ===============================================================
+engine                        where
+============================  ===============================================================
+:class:`ForwardEngine`        one forward of any wrapped ``nn.Module`` (this module)
+``LMForwardEngine``           one forward of a transformers LM, prompts left-padded (``models.hf.runs``)
+``LMGenerateEngine``          a transformers generation, one kernel step per pass (``models.hf.runs``)
+``VLLMEngine``                a job joining the live vLLM engine loop (``models.vllm``)
+``ScanEngine``                any engine's forward with fake tensors (``tools.scan``)
+serving fronts                a batch of requests coalesced into one job (``serve.batcher``)
+============================  ===============================================================
+
+An engine does two things. :meth:`Engine.make_invoke` checks one invoke while
+a job is being built (so a bad input or intervention fails at ``run.invoke``,
+on the caller's line) and returns its result carrier; :meth:`Engine.start`
+takes the frozen job and returns an :class:`Execution`: ``wait()`` runs it (or
+waits for it), ``cancel()``/``cancel_invoke(i)`` stop it from another thread.
+For the in-process engines the execution is the kernel's host itself, a
+:class:`~asyncinterp.run.Run`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from .invoke import Invoke
+from .job import InvokeSpec, capture, check_intervention, check_kwargs, frozen_mapping, split_input
+from .run import Run
+
+__all__ = ["Engine", "Execution", "ForwardEngine", "describe_invoke"]
+
+
+class Execution(Protocol):
+    """A started job: what ``run()``, ``atrace`` and serving wait on and cancel."""
+
+    done: bool
+    output: Any
+    stopped: bool
+
+    def wait(self, cancellable: bool = False) -> None:
+        """Run the job to its end (or wait for it); raises its failures as ``on_error`` says.
+
+        ``cancellable``: another thread may call :meth:`cancel` meanwhile (adds checkpoints).
+        """
+
+    def cancel(self) -> None:
+        """Thread-safe: stop at the next hook point; ``wait`` raises ``RunCancelled``."""
+
+    def cancel_invoke(self, index: int) -> None:
+        """Thread-safe: close invoke ``index``'s interventions at the next hook point; the others go on."""
+
+
+class Engine(Protocol):
+    """Runs jobs on one model."""
+
+    model: Any
+
+    def make_invoke(self, index: int, input, fns: tuple, kwargs: dict, deferred: bool) -> Invoke:
+        """Check one invoke of a job being built; return its result carrier (its ``spec`` is the job's part).
+
+        ``deferred``: the job runs later (a ``with`` block), so capture what the interventions read now.
+        """
+
+    def start(self, job) -> Execution:
+        """Take a frozen job; nothing runs until the execution's ``wait()``."""
+
+
+def describe_invoke(index, input, fns, kwargs, deferred, invoke_class=Invoke, options=None) -> Invoke:
+    """The common checks of an invoke and its result carrier (engines add their own around it)."""
+    input, fns = split_input(input, fns)
+    for fn in fns:
+        check_intervention(fn)
+    if kwargs:
+        check_kwargs(kwargs)
+    spec = InvokeSpec(input, tuple(fns), frozen_mapping(kwargs), frozen_mapping(options),
+                      capture(fns) if deferred and fns else ())
+    return invoke_class(index, spec)
+
+
+class ForwardEngine:
+    """One forward pass of a wrapped ``nn.Module``: the invokes' inputs concatenated along dim 0."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def make_invoke(self, index, input, fns, kwargs, deferred) -> Invoke:
+        return describe_invoke(index, input, fns, kwargs, deferred)
+
+    def start(self, job) -> Run:
+        return Run(self.model, job)
