@@ -1,0 +1,91 @@
+"""A job as bytes and back: what the wire carries when a whole job travels.
+
+A :class:`~asyncinterp.job.Job` is a plain value; this module writes it as
+msgpack (through :mod:`.wire`, so tensors are ``(dtype, shape, bytes)`` and
+nothing is pickled) and reads it back. Interventions travel as source text,
+never bytecode, so client and server Python versions may differ; reading a
+job back never executes anything by itself: the caller passes ``compile``,
+the function that turns one intervention's wire form into a callable (on a
+server: the sandbox's compiler, which checks the source first).
+
+What travels: every invoke's input, keyword arguments, per-invoke options,
+``background`` flag and interventions; the job's kind, ``on_error``,
+``stop_per_invoke``, generation options and context. What does not: the
+result carriers and the listener (where results go is decided on the side
+that runs the job) and an invoke's late-binding snapshot (a check made on
+the side that built it). A value that cannot travel is a ``TypeError``
+naming where it sits in the job.
+"""
+
+from __future__ import annotations
+
+from ..invoke import Invoke
+from ..job import InvokeSpec, Job, frozen_mapping
+from . import wire
+from .client import intervention_spec
+
+__all__ = ["JOB_FORMAT", "dumps_job", "loads_job"]
+
+#: the version of a job's wire form; a reader refuses any other
+JOB_FORMAT = 1
+
+
+def dumps_job(job: Job) -> bytes:
+    """The job as msgpack bytes (see the module docs for what travels)."""
+    invokes = []
+    for i, spec in enumerate(job.invokes):
+        fns = []
+        for fn in spec.fns:
+            try:
+                fns.append(intervention_spec(fn))
+            except TypeError as exc:
+                raise TypeError(f"invoke {i} of the job: {exc}") from None
+        invokes.append({"input": spec.input, "fns": fns, "kwargs": dict(spec.kwargs),
+                        "options": dict(spec.options), "background": spec.background})
+    body = {"format": JOB_FORMAT, "kind": job.kind, "on_error": job.on_error,
+            "stop_per_invoke": job.stop_per_invoke, "generation": dict(job.generation),
+            "context": dict(job.context), "invokes": invokes}
+    try:
+        return wire.packb(body)
+    except (TypeError, wire.WireError) as exc:
+        raise TypeError(f"this job cannot travel: {exc}. Inputs, options and context must be tensors, numbers, "
+                        "strings, bytes, None, or lists, tuples and dicts of these") from None
+
+
+def loads_job(data: bytes, compile, limits: wire.Limits = wire.DEFAULT_LIMITS) -> Job:
+    """The job that :func:`dumps_job` wrote; ``compile(spec)`` turns one intervention's wire form into a callable.
+
+    Each invoke gets a fresh result carrier (:class:`~asyncinterp.invoke.Invoke`).
+    """
+    body = wire.unpackb(data, limits)
+    if not isinstance(body, dict) or body.get("format") != JOB_FORMAT:
+        found = body.get("format") if isinstance(body, dict) else type(body).__name__
+        raise wire.WireError(f"not a job of wire format {JOB_FORMAT} (found {found!r})")
+    specs = []
+    for i, item in enumerate(_list(body, "invokes")):
+        if not isinstance(item, dict):
+            raise wire.WireError(f"invoke {i} of the job is not a map")
+        fns = tuple(compile(fn) for fn in _list(item, "fns"))
+        specs.append(InvokeSpec(item.get("input"), fns, frozen_mapping(_map(item, "kwargs")),
+                                frozen_mapping(_map(item, "options")), (), bool(item.get("background"))))
+    carriers = tuple(Invoke(i, spec) for i, spec in enumerate(specs))
+    try:
+        return Job(tuple(specs), body.get("kind", "trace"), body.get("on_error", "stop"),
+                   bool(body.get("stop_per_invoke")), frozen_mapping(_map(body, "generation")),
+                   frozen_mapping(_map(body, "context")), carriers)
+    except ValueError as exc:
+        raise wire.WireError(str(exc)) from None
+
+
+def _list(obj, key) -> list:
+    value = obj.get(key) or []
+    if not isinstance(value, (list, tuple)):
+        raise wire.WireError(f"{key!r} of a job must be a list")
+    return list(value)
+
+
+def _map(obj, key) -> dict:
+    value = obj.get(key) or {}
+    if not isinstance(value, dict):
+        raise wire.WireError(f"{key!r} of a job must be a map")
+    return value
