@@ -38,7 +38,7 @@ from .hooks.modules import (
 )
 from .hooks.views import WHOLE_BATCH, Layout, check_replacement
 from .kernel.futures import Future
-from .kernel.scheduler import Kernel, callable_name, current_task
+from .kernel.scheduler import Kernel, callable_name, current_task, is_async_fn
 from .kernel.traps import PointTrap
 
 #: ``run.context`` key of a list of ``(invoke index, event)`` pairs that a run's host hands to its caller
@@ -451,7 +451,8 @@ class Run:
     def _upgrade(self, key, value) -> Firing:
         # A module point of a whole-batch run fires with its bare value as the kernel's entry (no Firing is
         # made unless somebody needs one: a replacement, or a caller of firing()); make it now.
-        firing = self.kernel.entries[key] = Firing(key, value, self.layout)
+        firing = Firing(key, value, self.layout)
+        self.kernel.set_entry(key, firing)
         return firing
 
     def view_of(self, task, trap):
@@ -641,7 +642,7 @@ class Run:
         """Kernel host: ``task`` waits on a future or sub-task holding the value of ``task.position``."""
         v = task.last_value
         if type(v) is torch.Tensor and not v.is_inference() and task.position is not None:
-            task.watch = _StaleWatch(self, v, task.position)
+            task.watch_next(_StaleWatch(self, v, task.position))
 
     def left_step_loop(self, task) -> None:
         """Kernel host: ``task`` finished while inside ``m.steps()`` (it left with ``break``/``return``).
@@ -677,7 +678,7 @@ class Run:
         for the others). It is recorded in ``stopped_invokes``.
         """
         if invoke is None:
-            self.kernel.stop_requested = True
+            self.kernel.request_stop()
         else:
             if type(self.stopped_invokes) is not set:
                 self.stopped_invokes = set()
@@ -803,7 +804,7 @@ class Run:
             missed += [r.what for r in self._pending_skips if not r.applied]
             self._pending_skips.clear()
         for what in missed:
-            self.kernel.failures.append(MissedHookPoint(
+            self.kernel.record_failure(MissedHookPoint(
                 f"{what} was never applied: the module did not run again after it in this run. Call skip "
                 "before the module runs (a module that already ran in this pass cannot be skipped)"))
 
@@ -818,9 +819,8 @@ class Run:
                 result = task.result
                 if result is not None and type(result) not in _PLAIN_RESULTS and task.done and not task.closed \
                         and task.exc is None and _forgot_await(result):
-                    task.exc = _forgot_await_error(task, result)
                     if kernel is not None:
-                        kernel.failures.append(task.exc)
+                        kernel.fail(task, _forgot_await_error(task, result))
         failures = kernel.failures if kernel is not None else ()
         if failures and self.on_error == "stop":
             self._raise(failures)
@@ -976,11 +976,6 @@ class _ForwardRestore:
 
     def remove(self):
         set_instance_forward(self.module, self.original)
-
-
-def is_async_fn(fn) -> bool:
-    """True for an ``async def`` function (or an object whose ``__call__`` is one)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 _checked = weakref.WeakSet()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 
-from ..run import is_async_fn
+from ..kernel.task import is_async_fn
 from ..hooks import aliases
 from ..hooks.envoy import Envoy
 from ..kernel.traps import PointTrap

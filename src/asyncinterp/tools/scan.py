@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..run import is_async_fn
+from ..kernel.task import is_async_fn
 from .cache import Cache, KeyNode
 from ..hooks.views import map_tensors
 
