@@ -352,7 +352,10 @@ class Kernel:
 
     def finish(self) -> None:
         """The model is done: end step loops, fail whatever still waits, then close what is left."""
-        self._end(None, "before the run ended", fail_futures=True)
+        if self.step_waiters or self.waiters or self.future_waits or self.ready or self.cancel_requests:
+            self._end(None, "before the run ended", fail_futures=True)
+        else:   # the common case, once per run: nothing to cancel or wake
+            self.finished = True
         self.close()
 
     def end_step_loops(self) -> None:
