@@ -461,6 +461,12 @@ class MinimalHost:
     def view_of(self, task, trap):   # never called: this host does not replace entries
         raise AssertionError
 
+    def parked_holding(self, task):   # nothing to watch
+        pass
+
+    def left_step_loop(self, task):   # no steps
+        pass
+
 
 def prototype_read(cls, module, x, coro):
     run = cls(coro)

@@ -2,8 +2,9 @@
 
 Builds the module import graph with ``ast``: every ``import``/``from ...
 import`` of an asyncinterp module, relative or absolute, at module level or
-inside a function (a deferred import still ties the two modules together).
-Imports under ``if TYPE_CHECKING:`` are left out (they never run).
+inside a function (a deferred import still ties the two modules together),
+or under ``if TYPE_CHECKING:`` (it never runs, but a type checker and a
+reader follow it: a circle there is still a circle of the design).
 ``from pkg import name`` counts as an import of ``pkg.name`` when that is a
 module, else of ``pkg`` itself. Prints each cycle (as a strongly connected
 component and one path through it) and exits 1, or prints "no import
@@ -29,26 +30,11 @@ def module_names(root: pathlib.Path) -> dict:
     return out
 
 
-def _type_checking_nodes(tree):
-    skip = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            t = node.test
-            name = t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else None
-            if name == "TYPE_CHECKING":
-                for child in node.body:
-                    skip.update(id(n) for n in ast.walk(child))
-    return skip
-
-
 def imports_of(name: str, path: pathlib.Path, is_pkg: bool, modules: dict):
     """The asyncinterp modules that module ``name`` imports (with line numbers)."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_nodes(tree)
     package = name if is_pkg else name.rpartition(".")[0]
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 target = alias.name

@@ -34,3 +34,12 @@ class FakeHost:
         if trap.key not in self.order or current.key not in self.order:
             return False
         return self.order.index(trap.key) < self.order.index(current.key)
+
+    def view_of(self, task, trap):
+        return trap.key   # never called: this host does not replace entries
+
+    def parked_holding(self, task):
+        pass
+
+    def left_step_loop(self, task):
+        pass

@@ -11,7 +11,9 @@ from asyncinterp.kernel import (
     Kernel,
     MissedHookPoint,
     OutOfOrderError,
+    StepTrap,
     UnsetFutureError,
+    trap,
 )
 from asyncinterp.kernel.tasks import Steps
 from gc_helpers import settle_garbage
@@ -282,7 +284,7 @@ def test_future_set_before_run_is_ready_at_once():
 def test_stop_request_interrupts(n):
     async def body():
         await P("a")
-        k.stop_requested = True
+        k.request_stop()
         return "stopped"
 
     k = make()
@@ -369,3 +371,240 @@ def test_closing_a_kernel_mid_run_undoes_every_wait():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------ ending: one sweep, three scopes
+
+
+def test_finish_settles_whatever_the_code_after_a_step_loop_awaits():
+    # once the run has ended, every new wait on a step, a point or an unset future resumes at once,
+    # so the one sweep of finish leaves nothing to wake: the code after the loop runs to its end
+    log = []
+    never = Future("never")
+
+    async def child():
+        try:
+            await P("zz")
+        except MissedHookPoint as e:
+            log.append(("child", "missed", "already ended" in str(e)))
+        return "child"
+
+    async def body():
+        async for step in Steps():
+            log.append(("step", step))
+        log.append("after loop")
+        try:
+            await P("b")
+        except MissedHookPoint as e:
+            log.append(("point", "already ended" in str(e)))
+        log.append(("next step", await trap(StepTrap())))
+        try:
+            await never
+        except UnsetFutureError:
+            log.append("future")
+        handle = await spawn(child())
+        log.append(("joined", await handle))
+        return "done"
+
+    k = make()
+    t = k.spawn(body(), 0)
+    run(k, ["a"])
+    assert log == [("step", 0), "after loop", ("point", True), ("next step", None), "future",
+                   ("child", "missed", True), ("joined", "child")]
+    assert t.result == "done" and k.failures == []
+
+
+def test_finish_wakes_step_loops_then_points_then_futures_in_creation_order():
+    log = []
+    fut = Future("f")
+
+    async def stepper():
+        async for _ in Steps():
+            await P("a")
+        log.append("stepper")
+
+    async def pointer():
+        try:
+            await P("zz")
+        except MissedHookPoint:
+            log.append("pointer")
+
+    async def waiter(name):
+        try:
+            await fut
+        except UnsetFutureError:
+            log.append(name)
+
+    k = make()
+    k.spawn(waiter("waiter 1"), 0)
+    k.spawn(pointer(), 1)
+    k.spawn(stepper(), 2)
+    k.spawn(waiter("waiter 2"), 0)
+    run(k, ["a"])
+    assert log == ["stepper", "pointer", "waiter 1", "waiter 2"]
+
+
+def test_end_step_loops_leaves_point_and_future_waits_for_close():
+    log = []
+    fut = Future("f")
+
+    async def stepper():
+        async for _ in Steps():
+            await P("a")
+        log.append("after loop")
+        await P("b")   # the run has ended: fails at once
+        log.append("unreachable")
+
+    async def parked(awaitable, name):
+        try:
+            await awaitable
+        finally:
+            log.append(f"{name} closed")
+
+    k = make()
+    t = k.spawn(stepper(), 0)
+    p = k.spawn(parked(P("zz"), "point"), 1)
+    f = k.spawn(parked(fut, "future"), 2)
+    k.drain()
+    k.provide("a", lambda task, trap: None)
+    k.request_stop()
+    k.end_step_loops()
+    assert log == ["after loop"] and isinstance(t.exc, MissedHookPoint)
+    assert not p.done and not f.done
+    k.close()
+    assert log == ["after loop", "point closed", "future closed"] and p.closed and f.closed
+
+
+def test_end_group_ends_only_that_invoke_and_keeps_its_future_waits():
+    log = []
+    fut = Future("shared")
+
+    async def ending():
+        async for step in Steps():
+            log.append(("ending", step))
+            await P("a")
+        log.append(("ending", "after loop", await trap(StepTrap())))
+        log.append(("ending", "got", await fut))   # another invoke may still set it: the wait stays
+
+    async def going_on():
+        async for step in Steps():
+            await P("a")
+            if step == 1:
+                fut.set_result("late")
+                return step
+
+    k = Kernel(FakeHost(order=()), on_error="continue")
+    t0 = k.spawn(ending(), 0)
+    t1 = k.spawn(going_on(), 1)
+    k.drain()
+    k.provide("a", lambda task, trap: None)
+    k.end_group(0)
+    assert log == [("ending", 0), ("ending", "after loop", None)] and not t0.done
+    k.begin_step()
+    k.provide("a", lambda task, trap: None)
+    assert t1.result == 1 and t0.done and log[-1] == ("ending", "got", "late")
+    k.finish()
+    assert k.failures == []
+
+
+def test_finish_applies_pending_cancels_first():
+    log = []
+
+    async def body(name):
+        try:
+            async for _ in Steps():
+                await P("a")
+            log.append(f"{name} after loop")
+        finally:
+            log.append(f"{name} finally")
+
+    k = make()
+    k.spawn(body("x"), 0)
+    k.spawn(body("y"), 1)
+    k.drain()
+    k.provide("a", lambda task, trap: None)   # both wait for the next step
+    k.cancel_group(0)
+    k.finish()
+    assert log == ["x finally", "y after loop", "y finally"]
+
+
+def test_fail_raises_in_a_parked_task_and_records_it_on_a_done_one():
+    async def catches():
+        try:
+            await P("zz")
+        except KeyError as e:
+            return ("caught", e.args[0])
+
+    async def quick():
+        return 1
+
+    k = make(on_error="continue")
+    parked = k.spawn(catches(), 0)
+    done = k.spawn(quick(), 1)
+    k.drain()
+    k.fail(parked, KeyError("x"))
+    assert parked.result == ("caught", "x") and k.failures == []
+    late = ValueError("late")
+    k.fail(done, late)
+    assert done.exc is late and k.failures == [late]
+    k.finish()
+
+
+def test_a_stale_step_wait_is_not_resumed_by_the_next_step():
+    # a task failed (kernel.fail) while parked on a step, which then waits on a future: the next step must
+    # not resume it (only a task still waiting on a step is)
+    fut = Future("f")
+    log = []
+
+    async def body():
+        try:
+            async for _ in Steps():
+                await P("a")
+        except KeyError:
+            log.append(("future", await fut))
+
+    k = make()
+    t = k.spawn(body(), 0)
+    k.drain()
+    k.provide("a", lambda task, trap: None)   # now parked on the next step
+    k.fail(t, KeyError("x"))                  # now parked on fut, still listed as a step waiter
+    k.begin_step()
+    assert log == [] and not t.done
+    fut.set_result(5)
+    k.drain()
+    assert log == [("future", 5)]
+    k.finish()
+
+
+def test_current_run_is_the_host_of_the_running_task():
+    from asyncinterp import current_run as top_level
+    from asyncinterp.kernel import current_run
+
+    assert top_level is current_run
+    seen = []
+
+    async def body():
+        seen.append(current_run())
+
+    k = make()
+    host = k.host
+    k.spawn(body(), 0)
+    run(k, [])
+    assert seen == [host] and current_run() is None
+
+
+def test_asyncio_without_a_loop_is_a_foreign_await_and_other_runtime_errors_are_not():
+    async def sleeps():
+        await asyncio.sleep(0.01)   # asyncio raises RuntimeError: no event loop runs in the forward
+
+    async def raises():
+        raise RuntimeError("no running event loop")   # the user's own error, whatever it says
+
+    k = make(on_error="continue")
+    a = k.spawn(sleeps(), 0)
+    b = k.spawn(raises(), 1)
+    k.drain()
+    assert isinstance(a.exc, ForeignAwaitError) and "ai.in_loop" in str(a.exc)
+    assert isinstance(a.exc.__cause__, RuntimeError)
+    assert type(b.exc) is RuntimeError
+    k.close()

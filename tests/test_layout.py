@@ -1,8 +1,10 @@
-"""The package layout stays legible: no import cycles, few modules at the top, no reaches into private state."""
+"""The package layout stays legible: no import cycles, few modules at the top, no reaches into private state,
+and only the kernel writes the kernel's and its tasks' fields."""
 
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "asyncinterp"
@@ -31,3 +33,41 @@ def test_private_reaches_stay_few():
     assert code == 0, text
     total = int(text.strip().splitlines()[-1].split()[0])
     assert total <= 30, text
+
+
+def test_only_the_kernel_writes_kernel_and_task_fields():
+    # issue 20: other layers call the kernel's and the tasks' methods (kernel.fail, kernel.request_stop, ...)
+    code, text = _script("kernel_writes.py")
+    assert code == 0 and "no kernel or task field written outside the kernel" in text, text
+
+
+def test_kernel_write_scan_catches_every_kind_of_write(tmp_path):
+    plant = tmp_path / "plant.py"
+    plant.write_text(textwrap.dedent("""\
+        def host_side(self, run, inv, out):
+            kernel = run.kernel
+            kernel.active = None                       # 3
+            self.kernel.stop_requested = True          # 4
+            run.kernel.failures.append(ValueError())   # 5
+            kernel.entries["k"] = 1                    # 6
+            for t in kernel.tasks:
+                t.exc = ValueError()                   # 8
+            task = current_task()
+            task.consumed["k"] += 1                    # 10
+            setattr(task, "watch", None)               # 11
+            k = current_kernel()
+            k.ended |= {1}                             # 13
+            del task.result                            # 14
+            for s in inv.skips:
+                s.task.done = True                     # 16
+            object.__setattr__(k, "finished", True)    # 17
+            inv.tasks.append(task)                     # not a kernel field
+            kernel.cancel_group(1)                     # a method
+            out.exc = 1                                # not a kernel or a task
+            task.other = 1                             # not a field
+            print(kernel.failures, task.exc)           # reads
+        """))
+    code, text = _script("kernel_writes.py", str(plant))
+    assert code == 1, text
+    lines = sorted(int(row.split(":")[1]) for row in text.splitlines() if row.startswith(str(plant)))
+    assert lines == [3, 4, 5, 6, 8, 10, 11, 13, 14, 16, 17], text

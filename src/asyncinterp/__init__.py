@@ -25,6 +25,7 @@ from .kernel.errors import (
     UnsetFutureError,
 )
 from .kernel.futures import Future
+from .kernel.scheduler import current_run
 from .model import Model, wrap
 from .job import InvokeSpec, Job, LateBindingError, Trace
 from .invoke import Invoke, RunStopped
@@ -43,7 +44,7 @@ __all__ = [
     "AsyncInterpError", "BatchLayout", "Envoy", "ForeignAwaitError", "Future", "HookPoint", "Invoke", "InvokeSpec",
     "Job", "LateBindingError", "Layout", "MissedHookPoint", "Model", "ModulePathError", "NotInRunError", "OutOfOrderError",
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "StaleEditWarning", "Steps", "Trace", "UnsetFutureError",
-    "gather", "in_loop", "point", "spawn", "wrap",
+    "current_run", "gather", "in_loop", "point", "spawn", "wrap",
     "GradPoint", "Gradients", "backward", "gradients", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
     "Session", "aliases",
 ]

@@ -41,7 +41,7 @@ from typing import Any
 
 from .invoke import Invoke
 from .kernel.errors import AsyncInterpError
-from .kernel.scheduler import callable_name
+from .kernel.task import callable_name, is_async_fn
 
 __all__ = ["EMPTY", "InvokeSpec", "Job", "LateBindingError", "Trace", "capture", "check_captured",
            "check_intervention", "check_kwargs", "edit_invoke", "frozen_mapping", "is_async_fn", "split_input"]
@@ -337,11 +337,6 @@ def _short(value) -> str:
 
 
 # ----------------------------------------------------------------------- what can be an intervention
-def is_async_fn(fn) -> bool:
-    """True for an ``async def`` function (or an object whose ``__call__`` is one)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
 _checked = weakref.WeakSet()
 
 

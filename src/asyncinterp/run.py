@@ -259,7 +259,8 @@ class Run:
     def _upgrade(self, key, value) -> Firing:
         # A module point of a whole-batch run fires with its bare value as the kernel's entry (no Firing is
         # made unless somebody needs one: a replacement, or a caller of firing()); make it now.
-        firing = self.kernel.entries[key] = Firing(key, value, self.layout)
+        firing = Firing(key, value, self.layout)
+        self.kernel.set_entry(key, firing)
         return firing
 
     def view_of(self, task, trap):
@@ -449,7 +450,7 @@ class Run:
         """Kernel host: ``task`` waits on a future or sub-task holding the value of ``task.position``."""
         v = task.last_value
         if type(v) is torch.Tensor and not v.is_inference() and task.position is not None:
-            task.watch = StaleWatch(self, v, task.position)
+            task.watch_next(StaleWatch(self, v, task.position))
 
     def left_step_loop(self, task) -> None:
         """Kernel host: ``task`` finished while inside ``m.steps()`` (it left with ``break``/``return``).
@@ -485,7 +486,7 @@ class Run:
         for the others). It is recorded in ``stopped_invokes``.
         """
         if invoke is None:
-            self.kernel.stop_requested = True
+            self.kernel.request_stop()
         else:
             if type(self.stopped_invokes) is not set:
                 self.stopped_invokes = set()
@@ -610,7 +611,7 @@ class Run:
             missed += [r.what for r in self._pending_skips if not r.applied]
             self._pending_skips.clear()
         for what in missed:
-            self.kernel.failures.append(MissedHookPoint(
+            self.kernel.record_failure(MissedHookPoint(
                 f"{what} was never applied: the module did not run again after it in this run. Call skip "
                 "before the module runs (a module that already ran in this pass cannot be skipped)"))
 
@@ -623,10 +624,8 @@ class Run:
             inv.finish(ref)
             for task in inv.tasks:
                 err = forgotten_await(task)
-                if err is not None:
-                    task.exc = err
-                    if kernel is not None:
-                        kernel.failures.append(task.exc)
+                if err is not None and kernel is not None:
+                    kernel.fail(task, err)
         failures = kernel.failures if kernel is not None else ()
         if failures and self.on_error == "stop":
             self._raise(failures)

@@ -18,7 +18,7 @@ import copy
 import difflib
 
 from ..kernel.errors import ModulePathError, NotInRunError
-from ..kernel.scheduler import current_kernel, current_task
+from ..kernel.scheduler import current_run, current_task
 from .modules import submodules
 from .points import Point
 
@@ -363,10 +363,10 @@ class Envoy:
         For an invoke that covers part of the batch, the module still runs for
         the other rows and this invoke's rows are replaced by ``value``.
         """
-        kernel = current_kernel()
-        if kernel is None:
+        run = current_run()
+        if run is None:
             raise NotInRunError(f"{self.path}.skip(...) must be called inside an intervention, before the module runs")
-        kernel.host.skip(self, current_task(), value)
+        run.skip(self, current_task(), value)
 
     def __call__(self, *args, **kwargs):
         """Call the module ad hoc: inside a run no hook point fires for this call.
@@ -374,12 +374,12 @@ class Envoy:
         A module attached to the model (``model.attach(name, module)``) is
         different: calling it is a real call, and its own points fire.
         """
-        kernel = current_kernel()
-        if kernel is None:
+        run = current_run()
+        if run is None:
             return self.module(*args, **kwargs)
         if self.attached:
-            return kernel.host.call_attached(self, args, kwargs)
-        return kernel.host.call_adhoc(self.module, args, kwargs)
+            return run.call_attached(self, args, kwargs)
+        return run.call_adhoc(self.module, args, kwargs)
 
     def for_invoke(self) -> "Envoy":
         """An attached module as seen by the current intervention's invoke (its points see that invoke's calls)."""

@@ -116,7 +116,7 @@ class GradPoint(Point):
                 f"to computation #{n + 1} of it, but the backward passes have already computed it {done} "
                 "time(s). Await gradient points (or `ai.spawn` them) before the backward pass that computes "
                 "them starts")
-        task.consumed[key] = n
+        task.bind_next(key, n)
         return (yield self)   # a missed gradient point's error carries self.hint (the scheduler appends it)
 
     # ------------------------------------------------------------ run host side

@@ -20,7 +20,7 @@ not-in-a-run error, ``point.replace(v)`` / ``point.set(v)``, and ``point.grad``.
 from __future__ import annotations
 
 from ..kernel.errors import NotInRunError
-from ..kernel.scheduler import current_kernel, current_task, running_task
+from ..kernel.scheduler import current_run, current_task, running_task
 from ..kernel.traps import PointTrap
 
 __all__ = ["Point", "gradient_of"]
@@ -70,7 +70,7 @@ class Point(PointTrap):
         task = current_task()
         if task is None:
             raise NotInRunError(f"{self.describe()} can only be replaced from inside an intervention")
-        current_kernel().host.replace(self, task, value, shape_change, dtype_change)
+        current_run().replace(self, task, value, shape_change, dtype_change)
 
     set = replace
 

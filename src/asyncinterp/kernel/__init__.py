@@ -14,12 +14,14 @@ from .errors import (
 )
 from .futures import Future
 from .host import KernelHost
-from .scheduler import Kernel, Task, TaskHandle, callable_name, current_kernel, current_task
+from .scheduler import Kernel, TaskHandle, current_kernel, current_run, current_task
+from .task import Task, callable_name, is_async_fn
 from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap, Trap, trap
 
 __all__ = [
     "AsyncInterpError", "ForeignAwaitError", "MissedHookPoint", "ModulePathError", "NotInRunError",
     "OutOfOrderError", "ReplacementError", "RunCancelled", "UnsetFutureError", "await_site",
-    "Future", "Kernel", "KernelHost", "Task", "TaskHandle", "callable_name", "current_kernel", "current_task",
+    "Future", "Kernel", "KernelHost", "Task", "TaskHandle", "callable_name", "current_kernel", "current_run",
+    "current_task", "is_async_fn",
     "CallTrap", "FutureTrap", "JoinTrap", "PointTrap", "SpawnTrap", "StepTrap", "Trap", "trap",
 ]

@@ -11,16 +11,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .scheduler import Task
+    from .task import Task
     from .traps import PointTrap
 
 
 class KernelHost(Protocol):
     """The methods the :class:`~asyncinterp.kernel.scheduler.Kernel` calls on its host.
 
-    All are called on the kernel's thread while a task is being stepped, from
-    inside the kernel's handling of a ``PointTrap`` (a task awaiting a hook
-    point), before the task is parked.
+    All are called on the kernel's thread while a task is being stepped:
+    ``activate``, ``already_ran`` and ``view_of`` from inside the kernel's
+    handling of a ``PointTrap`` (a task awaiting a hook point), before the task
+    is parked or resumed; ``parked_holding`` and ``left_step_loop`` when the
+    task parks on a future or sub-task, or finishes. A host with nothing to do
+    for one of them implements it as a no-op.
     """
 
     def activate(self, trap: PointTrap, task: Task) -> None:
@@ -58,5 +61,22 @@ class KernelHost(Protocol):
         replaced ``kernel.entries[key]`` while an earlier waiter ran (a task
         replaced the value), the later waiters get this instead. A host that
         never replaces entries never has it called.
+        """
+        ...
+
+    def parked_holding(self, task: Task) -> None:
+        """``task`` parked on a future or a sub-task while holding the value of the point it was resumed at.
+
+        ``task.last_value`` is that value, ``task.position`` the point. The
+        host may watch the task's next resumption (``task.watch_next(watch)``),
+        e.g. to warn if the value changed meanwhile.
+        """
+        ...
+
+    def left_step_loop(self, task: Task) -> None:
+        """``task`` finished (without an error) while inside ``m.steps()``: it left the loop with ``break``/``return``.
+
+        Not called once the run has finished. The host may end the
+        generation if nobody is left to observe later steps.
         """
         ...

@@ -55,7 +55,11 @@ from .errors import (
     without_kernel_frames,
 )
 from .host import KernelHost
+from .task import Task, callable_name, is_async_fn
 from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap
+
+__all__ = ["Kernel", "Task", "TaskHandle", "callable_name", "current_kernel", "current_run", "current_task",
+           "is_async_fn", "running_task"]
 
 #: the task being stepped, per thread (and per context): set around every resumption, read on every await.
 #: A ContextVar: reading it is a cached lookup, cheaper than a ``threading.local`` attribute.
@@ -74,57 +78,15 @@ def current_kernel():
     return None if task is None else task.kernel
 
 
-class Task:
-    """One intervention coroutine (or a sub-task of one) and its bookkeeping."""
+def current_run():
+    """The run hosting the task being stepped on this thread (its kernel's host), or ``None`` outside one.
 
-    __slots__ = (
-        "coro", "group", "order", "named", "kernel", "consumed", "step", "position",
-        "waiting", "abort", "done", "closed", "result", "exc", "joiners", "parent", "observed",
-        "open_loops", "watch", "last_value", "__weakref__",
-    )
-
-    def __init__(self, coro, group, order, name, parent=None, kernel=None, step=0):
-        self.coro = coro
-        self.group = group          # the invoke this task belongs to
-        self.order = order          # resume order at a shared firing
-        self.named = name           # a name, or what to name it after (see ``name``)
-        self.kernel = kernel        # the kernel running it (dropped when the kernel closes)
-        if parent is None:
-            self.consumed = {}
-            self.step = step
-            self.position = None
-            self.observed = True
-        else:
-            self.consumed = dict(parent.consumed)
-            self.step = parent.step
-            self.position = parent.position
-            self.observed = False
-        self.waiting = None         # the trap this task is parked on
-        self.abort = None           # how to give that wait up: abort(kernel, task), or None
-        self.done = False
-        self.closed = False
-        self.result = None
-        self.exc = None
-        self.joiners = None         # tasks parked on this one (a list, made by the first join)
-        self.parent = parent
-        self.open_loops = 0         # step loops (m.steps()) entered and not yet ended
-        self.watch = None           # host object told before/after the next resumption (watch.before(), .after(task))
-        self.last_value = None      # the value of the last point this task was resumed at (task.position)
-
-    @property
-    def name(self) -> str:
-        """A readable name: the one given, else the intervention function's, else the coroutine's."""
-        named = self.named
-        if type(named) is str:
-            return named
-        return callable_name(self.coro if named is None else named)
-
-    @name.setter
-    def name(self, value) -> None:
-        self.named = value
-
-    def __repr__(self):
-        return f"<Task {self.name} invoke={self.group} {'done' if self.done else 'live'}>"
+    ``None`` as for :func:`current_kernel`: outside an intervention, and also
+    once the run has ended (a finished kernel lets go of its host).
+    """
+    task = _running.get()
+    kernel = None if task is None else task.kernel
+    return None if kernel is None else kernel.host
 
 
 class TaskHandle:
@@ -153,7 +115,13 @@ class TaskHandle:
 
 
 class Kernel:
-    """Tasks, waiters and the resume loop for one run."""
+    """Tasks, waiters and the resume loop for one run.
+
+    The kernel owns its state: other layers read its fields (``step``,
+    ``fired``, ``failures``, ...) but change them only through its methods
+    (``record_failure``, ``fail``, ``request_stop``, ``set_active``,
+    ``set_entry``, ``cancel_group``, the step and end methods).
+    """
 
     def __init__(self, host: KernelHost, on_error: str = "stop"):
         self.host = host
@@ -171,7 +139,7 @@ class Kernel:
         self.finished = False
         self.stop_requested = False
         self.cancel_requests = []  # invoke groups to close at the next hook point (any thread may append)
-        self.ended = _NONE_ENDED   # invoke groups whose run ended early (end_group; a set once one has)
+        self.ended = _NONE_ENDED   # invoke groups whose run ended early (end_group), a frozenset
         self.active = None         # invoke groups taking part in the current step (None: all)
         self._closed = False
 
@@ -232,6 +200,30 @@ class Kernel:
         finally:
             _running.reset(token)
 
+    def fail(self, task, exc) -> None:
+        """Raise ``exc`` in ``task`` at the ``await`` it is parked on; it (and whatever it wakes) runs now.
+
+        A task that is not parked (done, or running now) cannot be resumed:
+        ``exc`` becomes its failure instead (unless it already has one or was
+        closed) and a failure of the run either way.
+        """
+        if task.done or task.waiting is None:
+            if task.exc is None and not task.closed:
+                task.exc = exc
+            self.failures.append(exc)
+            return
+        self._give_up(task)
+        self.reschedule(task, None, exc)
+        self.drain()
+
+    def record_failure(self, exc) -> None:
+        """Count ``exc`` as a failure of the run (one no task raised, e.g. a request the model never honoured)."""
+        self.failures.append(exc)
+
+    def request_stop(self) -> None:
+        """Ask the host to stop the model after the current hook firing (``interrupted`` turns true)."""
+        self.stop_requested = True
+
     @property
     def interrupted(self) -> bool:
         """True when the host should stop the model now."""
@@ -243,7 +235,7 @@ class Kernel:
 
         ``entry`` is the host's record of the firing (its value, or an object
         describing it); ``entries[key]`` holds it while the waiters run, and the
-        host may replace it there (e.g. when a task replaces the value).
+        host may replace it there with ``set_entry`` (e.g. when a task replaces the value).
         ``get_value(task, trap)`` makes each task's value; without it, a task
         gets ``entry`` itself (through ``trap.read``) as long as the host has
         not replaced it, else ``host.view_of(task, trap)``. Returns
@@ -333,66 +325,94 @@ class Kernel:
         self.step += 1
         self.fired.clear()
         self.active = active
-        waiting, self.step_waiters = self.step_waiters, []
-        if active is not None:
-            self.step_waiters = [t for t in waiting if t.group not in active]
-            waiting = [t for t in waiting if t.group in active]
-        waiting.sort(key=lambda t: t.order)
-        for task in waiting:
-            if task.waiting is not None and not task.done:
-                self.reschedule(task, self.step)
+        step = self.step
+        for task in self._take_step_waiters(active):
+            self.reschedule(task, step)
         self.drain()
 
+    def set_active(self, active) -> None:
+        """Name the invoke groups taking part in the current step (``None``: all), without starting a new one.
+
+        For the first step of a host with partial steps: ``begin_step`` would
+        start a second one.
+        """
+        self.active = active
+
+    def set_entry(self, key, entry) -> None:
+        """Replace the host's entry of point ``key``'s firing in progress (see :meth:`provide`).
+
+        Waiters resumed after this get ``host.view_of(task, trap)`` instead of
+        the entry the firing started with.
+        """
+        self.entries[key] = entry
+
+    # ----------------------------------------------------------------- ending
+    # Waits end in one place, _end: for the whole run (finish, end_step_loops) or
+    # for one invoke (end_group). close() then closes whatever is still unfinished.
+
     def finish(self) -> None:
-        """The model is done: end step loops, fail whatever still waits."""
-        if self.cancel_requests:
-            self.apply_cancels()
-        self.finished = True
-        if not (self.step_waiters or self.waiters or self.future_waits or self.ready):
-            self.close()   # nothing waits (the common case): nothing to wake
-            return
-        for _ in range(1000):
-            woke = False
-            waiting, self.step_waiters = self.step_waiters, []
-            for task in sorted(waiting, key=lambda t: t.order):
-                if not task.done:
-                    self.reschedule(task)
-                    woke = True
-            woke |= self._miss_points("before the run ended")
-            if self.future_waits:
-                future_waits = self.future_waits
-                for task in [t for t in self.tasks if t in future_waits]:  # in creation order
-                    fut = future_waits[task].future
-                    self._give_up(task)
-                    where = await_site(task.coro)
-                    self.reschedule(task, None, UnsetFutureError(
-                        f"{fut!r} awaited at {where} was never set before the run ended; "
-                        "the task that should set it finished, failed or waits on a later point"))
-                    woke = True
-            self.drain()
-            if not woke:
-                break
+        """The model is done: end step loops, fail whatever still waits, then close what is left."""
+        if self.step_waiters or self.waiters or self.future_waits or self.ready or self.cancel_requests:
+            self._end(None, "before the run ended", fail_futures=True)
+        else:   # the common case, once per run: nothing to cancel or wake
+            self.finished = True
         self.close()
 
     def end_step_loops(self) -> None:
         """The run was stopped (``m.stop()``): step loops end cleanly and the code after them runs.
 
-        Like :meth:`finish` for step waiters, but waits on points are left for
-        ``close`` (their tasks did not finish: the run stopped before their point).
+        Like :meth:`finish` for step waiters, but waits on points and futures
+        are left for ``close`` (their tasks did not finish: the run stopped
+        before their point).
         """
-        if self.cancel_requests:
-            self.apply_cancels()
-        self.finished = True
-        for _ in range(1000):
-            waiting, self.step_waiters = self.step_waiters, []
-            woke = False
-            for task in sorted(waiting, key=lambda t: t.order):
-                if not task.done and task.waiting is not None:
-                    self.reschedule(task)
-                    woke = True
-            self.drain()
-            if not woke:
-                break
+        self._end(None, None, fail_futures=False)
+
+    def end_group(self, group) -> None:
+        """Invoke ``group`` leaves the run early (e.g. its generation is over) while the others go on.
+
+        For that invoke's tasks this is what ``finish`` is for all: step loops
+        end cleanly (the code after them runs), waits on hook points fail with
+        ``MissedHookPoint``; later awaits behave as after the end of the run.
+        Waits on futures stay (another invoke may still set them).
+        Call it from the model's thread, between hook firings.
+        """
+        self._end(frozenset((group,)), "before this invoke's run ended", fail_futures=False)
+
+    def _end(self, groups, miss_points: str | None, fail_futures: bool) -> None:
+        """End the run for invoke ``groups`` (``None``: the whole run) and run what that wakes.
+
+        First marks them ended (``finished``, or in ``ended``; for the whole
+        run, pending cancels are applied first). Then, in one sweep:
+
+        * their step loops resume with ``None``: ``m.steps()`` stops cleanly
+          and the code after the loop runs;
+        * with ``miss_points`` (the "when" of the message), their waits on
+          hook points fail with ``MissedHookPoint``; without, they stay for ``close``;
+        * with ``fail_futures``, their waits on unset futures fail with
+          ``UnsetFutureError``, in task creation order;
+
+        then drains. One sweep settles, by construction: once marked, a task
+        of these groups that awaits a step, a point, or (whole run only) an
+        unset future is resumed at once with the end's outcome instead of
+        parking (``_trap_step``, ``_trap_point``, ``_trap_future``), so the
+        code the sweep wakes cannot leave a new wait of those kinds behind.
+        Joins stay parked until their sub-task ends, or ``close`` closes them.
+        """
+        if groups is None:
+            if self.cancel_requests:
+                self.apply_cancels()
+            self.finished = True
+        else:
+            self.ended = self.ended.union(groups)
+        if not (self.step_waiters or self.waiters or self.ready or (fail_futures and self.future_waits)):
+            return   # nothing waits (the common case): nothing to wake
+        for task in self._take_step_waiters(groups):
+            self.reschedule(task)
+        if miss_points is not None:
+            self._miss_points(miss_points, groups)
+        if fail_futures and self.future_waits:
+            self._fail_future_waits(groups)
+        self.drain()
 
     # ------------------------------------------------------ per-invoke control
     def cancel_group(self, group) -> None:
@@ -418,43 +438,6 @@ class Kernel:
         for task in self.tasks:
             if task.group in groups and not task.done:
                 self.close_task(task)
-
-    def end_group(self, group) -> None:
-        """Invoke ``group`` leaves the run early (e.g. its generation is over) while the others go on.
-
-        For that invoke's tasks this is what ``finish`` is for all: step loops
-        end cleanly (the code after them runs), waits on hook points fail with
-        ``MissedHookPoint``; later awaits behave as after the end of the run.
-        Call it from the model's thread, between hook firings.
-        """
-        if not self.ended:
-            self.ended = set()
-        self.ended.add(group)
-        for _ in range(1000):
-            woke = False
-            keep = []
-            for task in sorted(self.step_waiters, key=lambda t: t.order):
-                if task.group == group and not task.done:
-                    self.reschedule(task)
-                    woke = True
-                elif task.group != group:
-                    keep.append(task)
-            self.step_waiters = keep
-            mine = []
-            for key in list(self.waiters):
-                entries = self.waiters[key]
-                if any(e[0].group == group for e in entries):
-                    mine.extend(e for e in entries if e[0].group == group)
-                    rest = [e for e in entries if e[0].group != group]
-                    if rest:
-                        self.waiters[key] = rest
-                    else:
-                        del self.waiters[key]
-            if mine:
-                woke |= self._miss_entries(mine, "before this invoke's run ended")
-            self.drain()
-            if not woke:
-                break
 
     def close(self) -> None:
         """Close every unfinished task (its ``finally`` blocks run) and drop waiters and the host.
@@ -496,30 +479,50 @@ class Kernel:
             task.abort = None
         task.waiting = None
 
-    def _miss_points(self, when: str, groups=None) -> bool:
-        if not self.waiters:
-            return False
-        if groups is not None:  # only the waits of these groups' step end; the others carry over
+    def _take_step_waiters(self, groups):
+        """The tasks of ``groups`` (``None``: all) parked on the next step, in resume order.
+
+        They leave ``step_waiters``; the step waits of other groups stay. An
+        entry whose task no longer waits on a step (closed, or resumed
+        otherwise) is dropped.
+        """
+        waiting = self.step_waiters
+        if not waiting:
+            return waiting
+        if groups is None:
+            self.step_waiters = []
+        else:
+            self.step_waiters = [t for t in waiting if t.group not in groups]
+            waiting = [t for t in waiting if t.group in groups]
+        due = [t for t in waiting if type(t.waiting) is StepTrap]
+        due.sort(key=_task_order)
+        return due
+
+    def _miss_points(self, when: str, groups=None) -> None:
+        """Fail the point waits of ``groups`` (``None``: all) with ``MissedHookPoint``: their point never ran ``when``."""
+        waiters = self.waiters
+        if not waiters:
+            return
+        if groups is None:
+            entries = [e for lst in waiters.values() for e in lst]
+            waiters.clear()
+        else:  # only the waits of these groups end; the others carry over
             entries = []
-            for key in list(self.waiters):
-                lst = self.waiters[key]
+            for key in list(waiters):
+                lst = waiters[key]
                 mine = [e for e in lst if e[0].group in groups]
                 if mine:
                     entries.extend(mine)
                     rest = [e for e in lst if e[0].group not in groups]
                     if rest:
-                        self.waiters[key] = rest
+                        waiters[key] = rest
                     else:
-                        del self.waiters[key]
-            return self._miss_entries(entries, when) if entries else False
-        entries = [e for lst in self.waiters.values() for e in lst]
-        self.waiters.clear()
-        self._miss_entries(entries, when)
-        return True
+                        del waiters[key]
+        if entries:
+            self._miss_entries(entries, when)
 
-    def _miss_entries(self, entries, when: str) -> bool:
+    def _miss_entries(self, entries, when: str) -> None:
         entries.sort(key=_order_of)
-        woke = False
         for task, call, trap in entries:
             if task.done or task.waiting is not trap:
                 continue
@@ -532,8 +535,17 @@ class Kernel:
                 f"{trap.describe()}{nth}, awaited at {await_site(task.coro)}, never ran {when} "
                 f"(step {self.step}){hint}{getattr(trap, 'hint', '')}")
             self.reschedule(task, None, err)
-            woke = True
-        return woke
+
+    def _fail_future_waits(self, groups):
+        """Fail the waits of ``groups`` (``None``: all) on unset futures with ``UnsetFutureError``, in creation order."""
+        future_waits = self.future_waits
+        for task in [t for t in self.tasks if t in future_waits and (groups is None or t.group in groups)]:
+            fut = future_waits[task].future
+            self._give_up(task)
+            where = await_site(task.coro)
+            self.reschedule(task, None, UnsetFutureError(
+                f"{fut!r} awaited at {where} was never set before the run ended; "
+                "the task that should set it finished, failed or waits on a later point"))
 
     def _resume(self, task, value, exc):
         """Send ``value`` (or throw ``exc``) into ``task`` and handle its traps until it parks or ends."""
@@ -555,7 +567,7 @@ class Kernel:
                     self._finish_task(task, stop.value, None)
                     return
                 except BaseException as err:  # noqa: BLE001 - tasks may raise anything
-                    if isinstance(err, RuntimeError) and "no running event loop" in str(err):
+                    if isinstance(err, RuntimeError) and _raised_in_asyncio(err):
                         foreign = ForeignAwaitError(
                             f"intervention {task.name!r} used asyncio at {await_site(coro)}: interventions run "
                             "inside the model's forward pass, where no event loop runs. Use "
@@ -671,9 +683,7 @@ class Kernel:
     def _parked_holding(self, task):
         # parked on a future or a sub-task while holding the value of a point: the host may watch it
         if task.last_value is not None:
-            parked = getattr(self.host, "parked_holding", None)
-            if parked is not None:
-                parked(task)
+            self.host.parked_holding(task)
 
     def _trap_call(self, task, trap):
         try:
@@ -722,9 +732,7 @@ class Kernel:
                 self.reschedule(joiner, value, err)
         if task.open_loops and exc is None and not self.finished:
             # it left `async for step in m.steps()` with break (or return): tell the host, which may end the run
-            left = getattr(self.host, "left_step_loop", None)
-            if left is not None:
-                left(task)
+            self.host.left_step_loop(task)
 
     def _joined(self, parent, child):
         for key, n in child.consumed.items():
@@ -772,7 +780,22 @@ def _order_of(entry):
     return entry[0].order
 
 
-def callable_name(obj) -> str:
-    """A readable name for a function, coroutine or other object: qualname, else name, else repr."""
-    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+def _task_order(task):
+    return task.order
+
+
+def _raised_in_asyncio(err) -> bool:
+    """Whether ``err`` was raised inside the asyncio package.
+
+    An intervention runs inside the model's forward pass, where no event loop
+    runs: asyncio calls that need one fail there (``asyncio.sleep(1)``,
+    ``asyncio.create_task`` raise ``RuntimeError`` from ``get_running_loop``).
+    """
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__") or ""
+    return module == "asyncio" or module.startswith("asyncio.")
 

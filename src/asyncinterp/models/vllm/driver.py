@@ -42,6 +42,7 @@ from collections.abc import Mapping
 import torch
 
 from ...kernel.errors import RunCancelled
+from ...kernel.task import is_async_fn
 from ...model import Trace
 from ...run import check_intervention
 from ..generating import Generated, GeneratedInvoke, GeneratingModel
@@ -267,7 +268,7 @@ class VLLMRun(Trace):
         ``do_sample``, any ``SamplingParams`` field) set this request's own
         sampling; the rest come from the run (greedy by default).
         """
-        if callable(input) and not fns and not isinstance(input, torch.Tensor) and _is_async(input):
+        if callable(input) and not fns and not isinstance(input, torch.Tensor) and is_async_fn(input):
             input, fns = None, (input,)
         for fn in fns:
             check_intervention(fn)
@@ -537,11 +538,6 @@ def _abort(engine, ids):
         engine.abort_request(list(ids))
 
 
-def _is_async(fn) -> bool:
-    import inspect
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
 def _prompt_ids(input, tokenizer) -> list:
     """One request's prompt as token ids: a string, token ids (list / 1-D tensor), or a mapping."""
     if isinstance(input, str):
@@ -745,10 +741,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         """Close the tasks of these invokes of run ``key`` at their next hook point."""
         local = self.local_session
         if local is not None:
-            run = local.runs.get(key)
-            if run is not None and run.kernel is not None:
-                for g in groups:
-                    run.kernel.cancel_group(g)
+            local.cancel(key, groups)
             return
         self.rpc(rpc_cancel, key, groups)
 

@@ -324,7 +324,7 @@ def apply_skips(run, entries, output):
         return None
     if not _is_pair(output):
         for s in due:
-            fail_task(kernel, s.task, ReplacementError(
+            kernel.fail(s.task, ReplacementError(
                 f"{s.label}: this layer does not return vLLM's (hidden, residual) pair but "
                 f"{_describe(output)}; replace its output instead (`await layer.output`, then assign it)"))
         return None
@@ -338,7 +338,7 @@ def apply_skips(run, entries, output):
         try:
             stream, residual = check_stream(s.label, s.value[0] if s.value[1] is None else s.value, like)
         except ReplacementError as err:
-            fail_task(kernel, s.task, err)
+            kernel.fail(s.task, err)
             continue
         if new_h is None:
             new_h, new_r = h.clone(), r.clone()
@@ -348,19 +348,6 @@ def apply_skips(run, entries, output):
         else:
             new_r[rows] = residual.reshape(like.shape[-2:]) if span is not None else residual
     return None if new_h is None else (new_h, new_r)
-
-
-def fail_task(kernel, task, err) -> None:
-    """Raise ``err`` in ``task`` at its current ``await`` (or record it as the task's failure if it is done)."""
-    if task.done or task.waiting is None:
-        if task.exc is None and not task.closed:
-            task.exc = err
-        kernel.failures.append(err)
-        return
-    if task.abort is not None:
-        task.abort(kernel, task)
-    kernel.reschedule(task, None, err)
-    kernel.drain()
 
 
 # ----------------------------------------------------------------------------- attn.q / .k / .v

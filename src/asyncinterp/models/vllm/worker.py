@@ -297,7 +297,7 @@ class WorkerRun(Run):
         self.request_layout.set_step(spans, tokens, n)
         active = None if len(spans) == len(groups) else frozenset(spans).union(self.whole)
         if self.nsteps == 0:
-            kernel.active = active
+            kernel.set_active(active)
         else:
             kernel.begin_step(active)
         self.nsteps += 1
@@ -491,6 +491,13 @@ class WorkerSession:
             events.clear()
         return run.halted, run.nsteps, sorted(run.stopped_invokes), taken
 
+    def cancel(self, key, groups) -> None:
+        """Close the tasks of these invoke groups of run ``key`` at its next hook point (their requests were aborted)."""
+        run = self.runs.get(key)
+        if run is not None and run.kernel is not None:
+            for g in groups:
+                run.kernel.cancel_group(g)
+
     def close(self):
         for run in list(self.runs.values()):
             if not run.done:
@@ -542,10 +549,7 @@ def rpc_poll(worker, keys):
 
 def rpc_cancel(worker, key, groups):
     """Close the tasks of these invoke groups of run ``key`` at the next hook point (their requests were aborted)."""
-    run = worker.asyncinterp_session.runs.get(key)
-    if run is not None and run.kernel is not None:
-        for g in groups:
-            run.kernel.cancel_group(g)
+    worker.asyncinterp_session.cancel(key, groups)
     return None
 
 
