@@ -39,8 +39,8 @@ class EngineFront:
 
     @property
     def context_length(self) -> int | None:
-        """The model's context (prompt + new tokens), if it has one."""
-        return getattr(self.model, "context_length", None) or getattr(self.model, "max_model_len", None)
+        """The model's context (prompt + new tokens), if it has one (transformers: from its config)."""
+        return getattr(self.model, "context_length", None)
 
     def vocab_size(self) -> int:
         """How many token ids the model's embedding takes (input ids are checked against it)."""
@@ -49,18 +49,21 @@ class EngineFront:
         return self._vocab
 
     def _count_vocab(self) -> int:
-        module = self.model.module
         emb = None
-        if hasattr(module, "get_input_embeddings"):
+        if hasattr(self.model.module, "get_input_embeddings"):
             try:
-                emb = module.get_input_embeddings()
-            except TypeError:      # vLLM's models take input ids there
+                emb = self.model.module.get_input_embeddings()
+            except TypeError:      # a module whose method takes input ids (as vLLM's do)
                 emb = None
         if isinstance(emb, torch.nn.Embedding):
             return int(emb.num_embeddings)
-        if getattr(getattr(module, "config", None), "vocab_size", None):
-            return int(module.config.vocab_size)
-        return len(self.model.tokenizer)   # vLLM under tensor parallelism: the driver holds only a skeleton
+        return self._configured_vocab()
+
+    def _configured_vocab(self) -> int:
+        config = getattr(self.model.module, "config", None)
+        if getattr(config, "vocab_size", None):
+            return int(config.vocab_size)
+        return len(self.model.tokenizer)
 
     def eos_ids(self) -> tuple:
         """End-of-sequence token ids (a generation that ends on one finished by itself)."""
@@ -80,6 +83,15 @@ class VLLMFront(EngineFront):
     """``ai.VLLM``: a live engine that takes requests while it runs and keeps a prefix cache."""
 
     kind = "vllm"
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.model, "max_model_len", None)
+
+    def _count_vocab(self) -> int:
+        # its model's get_input_embeddings embeds ids; under tensor parallelism the driver holds only a skeleton
+        # without a config, and the tokenizer's length is what is left
+        return self._configured_vocab()
 
     def generation_input(self, prompt, cache_salt=None):
         # the engine's run salts a plain request's prefix cache with it; a request with an intervention gets a
