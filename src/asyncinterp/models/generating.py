@@ -10,6 +10,7 @@ was generated for it (``.tokens``, ``.text``, ``.stopped``).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from ..hooks.envoy import point
@@ -179,3 +180,33 @@ def check_stop(stop) -> tuple:
 def stop_hit(text: str, stops) -> bool:
     """Whether generated ``text`` contains one of the stop strings ``stops``."""
     return any(s in text for s in stops)
+
+
+def eos_ids(model_or_config, tokenizer=None) -> tuple:
+    """End-of-sequence token ids: those of a generation config, then the tokenizer's (each once, in order).
+
+    ``model_or_config``: a wrapped model (``LanguageModel``, ``VLLM``: its
+    torch module's ``generation_config``), a torch module, a generation
+    config, the ids themselves (an int or a list of ints), or ``None``.
+    ``tokenizer``: its ``eos_token_id`` is added when given.
+    """
+    source = model_or_config
+    if not _is_ids(source):
+        module = getattr(source, "module", source)         # a wrapped model: its torch module
+        config = getattr(module, "generation_config", module)
+        source = getattr(config, "eos_token_id", None)
+    found = list(_ids_of(source)) + list(_ids_of(getattr(tokenizer, "eos_token_id", None)))
+    return tuple(dict.fromkeys(found))
+
+
+def _is_ids(value) -> bool:
+    return value is None or isinstance(value, (list, tuple)) or hasattr(value, "__index__") or hasattr(
+        value, "tolist")
+
+
+def _ids_of(value) -> tuple:
+    """``value`` (an id, a list of ids, or ``None``) as a tuple of ints; anything else holds none."""
+    if hasattr(value, "tolist"):      # a tensor of ids
+        value = value.tolist()
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    return tuple(operator.index(v) for v in values if hasattr(v, "__index__"))

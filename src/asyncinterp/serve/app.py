@@ -52,8 +52,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import openai_compat, wire
-from .batcher import Batcher, BatcherClosed, BatcherFull, is_live_engine
+from . import errors, openai_compat, wire
+from .batcher import Batcher, BatcherFull
+from .engine_front import front_for
+from .errors import RequestFailed
 from .params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401 (re-exported)
 from .sandbox import ProgramCache, SandboxRefused, SandboxTimeout
 
@@ -61,41 +63,21 @@ log = logging.getLogger("asyncinterp.serve")
 
 MSGPACK = "application/msgpack"
 MSGPACK_STREAM = "application/x-msgpack-stream"
+CLIENT_GONE = errors.status_of("client_disconnect")   # logged for a request whose client left (499)
 
 
 # --------------------------------------------------------------------------- responses
-class _Fail(Exception):
-    def __init__(self, status, kind, exc_or_msg, headers=None, param=None):
-        self.status = status
-        self.kind = kind
-        self.headers = headers
-        self.param = param      # the request field at fault, when known (OpenAI errors name it)
-        if isinstance(exc_or_msg, BaseException):
-            self.error = wire.encode_error(exc_or_msg, kind)
-        else:
-            self.error = {"type": _KIND_TYPES.get(kind, "Error"), "message": str(exc_or_msg), "traceback": [],
-                          "notes": [], "kind": kind}
-        super().__init__(self.error["message"])
-
-
-_KIND_TYPES = {"request": "BadRequest", "auth": "Unauthorized", "too_large": "PayloadTooLarge",
-               "overloaded": "Overloaded", "timeout": "Timeout", "refused": "SandboxRefused",
-               "not_found": "NotFound", "internal": "InternalError", "closed": "Closed"}
-
-
 def _msgpack(obj, status=200, headers=None):
     return Response(wire.packb(obj), status_code=status, media_type=MSGPACK, headers=headers)
 
 
-def _error_response(fail: _Fail):
+def _error_response(fail: RequestFailed):
     return _msgpack({"ok": False, "error": fail.error}, fail.status, fail.headers)
 
 
-def _openai_error_response(fail: _Fail):
-    headers = dict(fail.headers or {})
-    if fail.status == 504:
-        headers["x-should-retry"] = "false"   # its own time limit or code budget: the same request would fail again
-    return JSONResponse(openai_compat.error_body(fail.status, fail.error, fail.param), fail.status, headers)
+def _openai_error_response(fail: RequestFailed):
+    return JSONResponse(openai_compat.error_body(fail.status, fail.error, fail.param), fail.status,
+                        errors.openai_headers(fail.status, fail.headers))
 
 
 _OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
@@ -171,9 +153,9 @@ class Server:
             raise ValueError(f"code_budget must be a positive number of seconds, got {code_budget!r}")
         self.max_body_bytes = int(max_body_bytes)
         self.max_new_tokens = int(max_new_tokens)
-        self.is_lm = hasattr(model, "tokenizer") and hasattr(model, "generate")
-        ctx = getattr(model, "context_length", None) or getattr(model, "max_model_len", None)
-        self.max_prompt_tokens = max_prompt_tokens or ctx or 4096
+        self.front = front_for(model)       # what differs per engine kind (transformers, vLLM), decided once
+        self.is_lm = self.front.generates
+        self.max_prompt_tokens = max_prompt_tokens or self.front.context_length or 4096
         self.limits = wire.Limits(max_bytes=self.max_body_bytes)
         self.supervised = isolation != "thread"
         if self.supervised and batcher is None:
@@ -185,7 +167,6 @@ class Server:
         self.interventions: dict[str, Registered] = {}
         self.programs = ProgramCache()
         self._app = None
-        self._vocab = None
         self.started = int(time.time())
         if builtin_interventions and self.is_lm:
             from .builtins import register_builtins
@@ -225,9 +206,8 @@ class Server:
         ]
 
         async def http_error(request, exc):
-            kind = "not_found" if exc.status_code in (404, 405) else "request"
             render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response
-            return render(_Fail(exc.status_code, kind, exc.detail or "not found"))
+            return render(errors.routing_failure(exc.status_code, exc.detail or "not found"))
 
         async def shutdown():
             await self.batcher.aclose()
@@ -255,11 +235,11 @@ class Server:
             if auth[:7].lower() == "bearer ":
                 got = auth[7:].strip()
         if not got:
-            raise _Fail(401, "auth", "an API key is required: send `Authorization: Bearer KEY` or `X-API-Key: KEY`",
-                        {"WWW-Authenticate": "Bearer"})
+            raise RequestFailed("auth",
+                                "an API key is required: send `Authorization: Bearer KEY` or `X-API-Key: KEY`")
         given = got.encode("utf-8", "replace")
         if not any(hmac.compare_digest(given, k) for k in self.api_keys):
-            raise _Fail(401, "auth", "invalid API key", {"WWW-Authenticate": "Bearer"})
+            raise RequestFailed("auth", "invalid API key")
 
     async def _read_body(self, request) -> bytes:
         limit = self.max_body_bytes
@@ -268,29 +248,29 @@ class Server:
             try:
                 n = int(cl)
             except ValueError:
-                raise _Fail(400, "request", "invalid Content-Length") from None
+                raise RequestFailed("request", "invalid Content-Length") from None
             if n > limit:
-                raise _Fail(413, "too_large", f"request body of {n} bytes exceeds the limit of {limit} bytes")
+                raise RequestFailed("too_large", f"request body of {n} bytes exceeds the limit of {limit} bytes")
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                raise _Fail(413, "too_large", f"request body exceeds the limit of {limit} bytes")
+                raise RequestFailed("too_large", f"request body exceeds the limit of {limit} bytes")
         return bytes(body)
 
     def _decode(self, body: bytes) -> dict:
         if not body:
-            raise _Fail(400, "request", "empty body: send a msgpack map")
+            raise RequestFailed("request", "empty body: send a msgpack map")
         try:
             obj = wire.unpackb(body, self.limits)
             wire.check_depth(obj)
         except wire.WireError as exc:
-            raise _Fail(400, "request", str(exc)) from None
+            raise RequestFailed("request", str(exc)) from None
         if not isinstance(obj, dict):
-            raise _Fail(400, "request", f"the body must be a msgpack map, got {type(obj).__name__}")
+            raise RequestFailed("request", f"the body must be a msgpack map, got {type(obj).__name__}")
         for k in obj:
             if not isinstance(k, str):
-                raise _Fail(400, "request", "keys of the request map must be strings")
+                raise RequestFailed("request", "keys of the request map must be strings")
         return obj
 
     def _input(self, value):
@@ -298,58 +278,37 @@ class Server:
         if self.is_lm:
             if isinstance(value, str):
                 if not value:
-                    raise _Fail(400, "request", "input: empty prompt")
+                    raise RequestFailed("request", "input: empty prompt")
                 if len(value) > self.max_prompt_tokens * 64:
-                    raise _Fail(400, "request", "input: prompt too long")
+                    raise RequestFailed("request", "input: prompt too long")
                 try:
                     n = len(self.model.tokenizer(value)["input_ids"])
                 except Exception as exc:  # noqa: BLE001
-                    raise _Fail(400, "request", f"input: cannot tokenize ({type(exc).__name__})") from None
+                    raise RequestFailed("request", f"input: cannot tokenize ({type(exc).__name__})") from None
                 if n > self.max_prompt_tokens:
-                    raise _Fail(400, "request", f"input: prompt of {n} tokens exceeds {self.max_prompt_tokens}")
+                    raise RequestFailed("request", f"input: prompt of {n} tokens exceeds {self.max_prompt_tokens}")
                 return value, n
             if isinstance(value, list) and value and all(type(t) is int for t in value):
                 if len(value) > self.max_prompt_tokens:
-                    raise _Fail(400, "request", f"input: {len(value)} tokens exceed {self.max_prompt_tokens}")
-                vocab = self._vocab_size()
+                    raise RequestFailed("request", f"input: {len(value)} tokens exceed {self.max_prompt_tokens}")
+                vocab = self.front.vocab_size()
                 if any(t < 0 or t >= vocab for t in value):
-                    raise _Fail(400, "request", f"input: token ids must be in [0, {vocab})")
+                    raise RequestFailed("request", f"input: token ids must be in [0, {vocab})")
                 return value, len(value)
-            raise _Fail(400, "request", "input must be a prompt string or a non-empty list of token ids")
+            raise RequestFailed("request", "input must be a prompt string or a non-empty list of token ids")
         if isinstance(value, torch.Tensor):
             return value, 0
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
             return tuple(value), 0
-        raise _Fail(400, "request", "input must be a tensor (or a list of tensors) for this model")
-
-    def _vocab_size(self):
-        if self._vocab is None:
-            module = self.model.module
-            emb = None
-            if hasattr(module, "get_input_embeddings"):
-                try:
-                    emb = module.get_input_embeddings()
-                except TypeError:      # vLLM's models take input ids there
-                    emb = None
-            if isinstance(emb, torch.nn.Embedding):
-                self._vocab = int(emb.num_embeddings)
-            elif getattr(getattr(module, "config", None), "vocab_size", None):
-                self._vocab = int(module.config.vocab_size)
-            else:                      # vLLM under tensor parallelism: the driver holds only a skeleton
-                self._vocab = len(self.model.tokenizer)
-        return self._vocab
-
-    def _context_length(self):
-        """The model's context (prompt + new tokens): transformers' ``context_length``, vLLM's ``max_model_len``."""
-        return getattr(self.model, "context_length", None) or getattr(self.model, "max_model_len", None)
+        raise RequestFailed("request", "input must be a tensor (or a list of tensors) for this model")
 
     def _check_new_tokens(self, length, n, param="max_new_tokens"):
         """Refuse a generation length outside ``[1, max_new_tokens]`` or past the model's context."""
         if type(n) is not int or not 1 <= n <= self.max_new_tokens:
-            raise _Fail(400, "request", f"{param} must be an int in [1, {self.max_new_tokens}]", param=param)
-        ctx = self._context_length()
+            raise RequestFailed("request", f"{param} must be an int in [1, {self.max_new_tokens}]", param=param)
+        ctx = self.front.context_length
         if ctx and length + n > ctx:
-            raise _Fail(400, "request", f"a prompt of {length} tokens + {n} new tokens exceeds the model's "
+            raise RequestFailed("request", f"a prompt of {length} tokens + {n} new tokens exceeds the model's "
                                         f"context of {ctx}", param=param)
 
     def _intervention(self, spec, timeout, required=True):
@@ -364,51 +323,51 @@ class Server:
         """``(fn, on_cancel, label, meter)`` for a request's intervention spec; refuses before any model work."""
         if spec is None:
             if required:
-                raise _Fail(400, "request", "an intervention is required: a registered name, {'name', 'params'}"
+                raise RequestFailed("request", "an intervention is required: a registered name, {'name', 'params'}"
                                             + (" or {'source', 'params'}" if self.allow_code else ""))
             return None, None, None, None
         if isinstance(spec, str):
             spec = {"name": spec}
         if not isinstance(spec, dict):
-            raise _Fail(400, "request", "intervention must be a name or a map")
+            raise RequestFailed("request", "intervention must be a name or a map")
         allowed = {"name", "params", "source", "entry"}
         extra = [k for k in spec if k not in allowed]
         if extra:
-            raise _Fail(400, "request", f"unknown intervention field(s) {[short_repr(k) for k in extra]}")
+            raise RequestFailed("request", f"unknown intervention field(s) {[short_repr(k) for k in extra]}")
         params = spec.get("params", {})
         if params is None:
             params = {}
         if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
-            raise _Fail(400, "request", "params must be a map with string keys")
+            raise RequestFailed("request", "params must be a map with string keys")
         if "source" in spec:
             if not self.allow_code:
-                raise _Fail(400, "refused", "this server does not accept submitted code (start it with "
+                raise RequestFailed("refused", "this server does not accept submitted code (start it with "
                                             "--allow-code); use a registered intervention (GET /v1/model)")
             source, entry = spec["source"], spec.get("entry")
             if not isinstance(source, str) or (entry is not None and not isinstance(entry, str)):
-                raise _Fail(400, "request", "source and entry must be strings")
+                raise RequestFailed("request", "source and entry must be strings")
             try:
                 program = self.programs.get(source, entry)
                 fn, clock = program.bind(params, time.monotonic() + timeout, min(self.code_budget, timeout))
             except SandboxRefused as exc:
-                raise _Fail(400, "refused", str(exc)) from None
+                raise RequestFailed("refused", str(exc)) from None
             except Exception as exc:  # noqa: BLE001 - anything else in the module body
-                raise _Fail(400, "refused", f"submitted code failed to load: {type(exc).__name__}: {exc}") from None
+                raise RequestFailed("refused", f"submitted code failed to load: {type(exc).__name__}: {exc}") from None
 
             def on_cancel():
                 clock.cancelled = True
             return fn, on_cancel, f"submitted:{program.entry}", clock
         name = spec.get("name")
         if not isinstance(name, str):
-            raise _Fail(400, "request", "intervention name must be a string")
+            raise RequestFailed("request", "intervention name must be a string")
         reg = self.interventions.get(name)
         if reg is None:
-            raise _Fail(400, "request", f"no intervention named {short_repr(name)}; registered: "
+            raise RequestFailed("request", f"no intervention named {short_repr(name)}; registered: "
                                         f"{sorted(self.interventions)}")
         try:
             fn = reg.bind(params, self.model)
         except BadRequest as exc:
-            raise _Fail(400, "request", str(exc)) from None
+            raise RequestFailed("request", str(exc)) from None
         return fn, None, name, None
 
     def _timeout(self, obj):
@@ -416,13 +375,14 @@ class Server:
         if t is None:
             return self.timeout
         if type(t) not in (int, float) or not (t > 0) or t != t:
-            raise _Fail(400, "request", "timeout must be a positive number of seconds")
+            raise RequestFailed("request", "timeout must be a positive number of seconds")
         return min(float(t), self.timeout)
 
     def _fields(self, obj, allowed):
         extra = [k for k in obj if k not in allowed]
         if extra:
-            raise _Fail(400, "request", f"unknown field(s) {[short_repr(k) for k in extra]}; allowed: {sorted(allowed)}")
+            raise RequestFailed("request",
+                                f"unknown field(s) {[short_repr(k) for k in extra]}; allowed: {sorted(allowed)}")
 
     async def _guarded(self, request, kind, work, render=_error_response):
         """Auth, logging and error mapping around one endpoint; ``work()`` returns a Response.
@@ -433,28 +393,28 @@ class Server:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         fields = {"event": kind, "request_id": rid[:64], "path": request.url.path,
                   "client": request.client.host if request.client else None}
-        status = 500
         try:
             self._check_key(request)
             response = await work(fields)
             status = response.status_code
-        except _Fail as fail:
+        except RequestFailed as fail:
             status = fail.status
             fields["error"] = fail.error.get("type")
             fields["error_kind"] = fail.kind
             response = render(fail)
         except ClientDisconnect:
             # the client went away while sending its body: nothing to answer, nothing went wrong here
-            status = 499
+            status = CLIENT_GONE
             fields["disconnected"] = True
             fields["error_kind"] = "client_disconnect"
-            response = Response(status_code=499)
+            response = Response(status_code=CLIENT_GONE)
             log.info("client disconnected while sending its request body", extra={"fields": dict(fields)})
         except Exception as exc:  # noqa: BLE001 - never crash; report
             log.exception("internal error", extra={"fields": {"request_id": rid}})
-            status = 500
+            fail = RequestFailed("internal", f"internal server error ({type(exc).__name__})")
+            status = fail.status
             fields["error"] = type(exc).__name__
-            response = render(_Fail(500, "internal", f"internal server error ({type(exc).__name__})"))
+            response = render(fail)
         fields["status"] = status
         fields["ms"] = round(1000 * (time.perf_counter() - t0), 2)
         response.headers["x-request-id"] = rid[:64]
@@ -479,33 +439,17 @@ class Server:
         try:
             outcome = await self._until_disconnect(request, call)
         except BatcherFull as exc:
-            raise self._run_error(exc, fields) from None
+            raise errors.failure(exc) from None
         if outcome.stopped:
             fields["disconnected"] = True
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_GONE)
         if outcome.exc is not None:
-            raise self._run_error(outcome.exc, fields)
+            raise errors.failure(outcome.exc)
         try:
             out = answer(outcome.value)
             return out if isinstance(out, Response) else Response(wire.packb(out), media_type=MSGPACK)
         except wire.WireError as exc:
-            raise _Fail(422, "intervention", exc) from None
-
-    def _run_error(self, exc, fields) -> _Fail:
-        status = getattr(exc, "http_status", None)
-        if status is not None:   # reported by or about a supervised worker process: its own status and error
-            return _Fail(status, exc.kind, exc)
-        if isinstance(exc, BatcherFull):
-            return _Fail(503, "overloaded", str(exc), {"Retry-After": "1"})
-        if isinstance(exc, BatcherClosed):
-            return _Fail(503, "closed", str(exc), {"Retry-After": "1"})
-        if isinstance(exc, SandboxTimeout):
-            return _Fail(504, "timeout", exc)   # its own reason: the compute budget or the time limit, and where
-        if isinstance(exc, TimeoutError):
-            return _Fail(504, "timeout", "the request's time limit was reached; its intervention was closed")
-        if isinstance(exc, wire.WireError):
-            return _Fail(422, "intervention", exc)
-        return _Fail(422, "intervention", exc)
+            raise errors.failure(exc) from None
 
     # ------------------------------------------------------------------ endpoints
     async def _health(self, request):
@@ -532,7 +476,7 @@ class Server:
             return JSONResponse(info)
         try:
             self._check_key(request)
-        except _Fail as fail:
+        except RequestFailed as fail:
             return JSONResponse({"ok": False, "error": fail.error}, fail.status, fail.headers)
         return await work({})
 
@@ -541,7 +485,7 @@ class Server:
             obj = self._decode(await self._read_body(request))
             self._fields(obj, {"input", "intervention", "timeout"})
             if "input" not in obj:
-                raise _Fail(400, "request", "missing field 'input'")
+                raise RequestFailed("request", "missing field 'input'")
             x, _ = self._input(obj["input"])
             timeout = self._timeout(obj)
             fn, on_cancel, label, meter = self._intervention(obj.get("intervention"), timeout)
@@ -553,17 +497,17 @@ class Server:
     async def _generate(self, request):
         async def work(fields):
             if not self.is_lm:
-                raise _Fail(400, "request", "this model does not generate (it is not a LanguageModel)")
+                raise RequestFailed("request", "this model does not generate (it is not a LanguageModel)")
             obj = self._decode(await self._read_body(request))
             self._fields(obj, {"input", "intervention", "timeout", "max_new_tokens", "stream"})
             if "input" not in obj:
-                raise _Fail(400, "request", "missing field 'input'")
+                raise RequestFailed("request", "missing field 'input'")
             x, length = self._input(obj["input"])
             n = obj.get("max_new_tokens", 20)
             self._check_new_tokens(length, n)
             stream = obj.get("stream", False)
             if type(stream) is not bool:
-                raise _Fail(400, "request", "stream must be a bool")
+                raise RequestFailed("request", "stream must be a bool")
             timeout = self._timeout(obj)
             fn, on_cancel, label, meter = self._intervention(obj.get("intervention"), timeout, required=False)
             fields["intervention"] = label
@@ -574,7 +518,7 @@ class Server:
                     events = self.batcher.stream_generate(x, *fns, max_new_tokens=n, timeout=timeout,
                                                           on_cancel=on_cancel, meter=meter)
                 except BatcherFull as exc:
-                    raise self._run_error(exc, fields) from None
+                    raise errors.failure(exc) from None
                 fields["stream"] = True
                 return StreamingResponse(self._stream(events), media_type=MSGPACK_STREAM)
             call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
@@ -597,14 +541,14 @@ class Server:
                 try:
                     chunk = encode(ev)
                 except wire.WireError as exc:
-                    yield encode_error(_Fail(422, "intervention", exc))
+                    yield encode_error(errors.failure(exc))
                     if end_on_error:
                         return
                     continue
                 if chunk:
                     yield chunk
         except _INTERVENTION_ERRORS as exc:
-            yield encode_error(self._run_error(exc, {}))
+            yield encode_error(errors.failure(exc))
         finally:
             await events.aclose()
 
@@ -626,48 +570,44 @@ class Server:
         """One OpenAI request: its shapes come from :mod:`.openai_compat`; input, intervention, limits, batching
         and errors go through the same methods as ``/v1/generate``."""
         if not self.is_lm:
-            raise _Fail(400, "request", "this model does not generate (it is not a language model)")
+            raise RequestFailed("request", "this model does not generate (it is not a language model)")
         try:
             req = openai_compat.parse_request(kind, openai_compat.decode_body(await self._read_body(request)),
                                               self.interventions)
             if req.model != self.name:
-                raise _Fail(404, "not_found", f"the model {req.model!r} does not exist here; this server serves "
+                raise RequestFailed("not_found", f"the model {req.model!r} does not exist here; this server serves "
                                             f"{self.name!r} (GET /v1/models)", param="model")
             prompt = req.prompt if req.messages is None else openai_compat.chat_prompt(self.model.tokenizer,
                                                                                       req.messages)
         except BadRequest as exc:
-            raise _Fail(400, "request", str(exc), param=getattr(exc, "param", None)) from None
+            raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
         try:
             x, length = self._input(prompt)
-        except _Fail as fail:   # the same checks as /v1/generate; OpenAI's errors name the field at fault
+        except RequestFailed as fail:   # the same checks as /v1/generate; OpenAI's errors name the field at fault
             fail.param = "prompt" if req.messages is None else "messages"
             raise
         n = req.max_tokens
         if n is None:   # chat without a limit: as much as the server and the context allow
-            ctx = self._context_length()
+            ctx = self.front.context_length
             n = max(1, min(self.max_new_tokens, ctx - length)) if ctx else self.max_new_tokens
         self._check_new_tokens(length, n, req.max_tokens_param)
         try:
             timeout = self._timeout({"timeout": req.timeout})
             fn, on_cancel, label, meter = self._intervention(req.intervention, timeout, required=False)
-        except _Fail as fail:
+        except RequestFailed as fail:
             fail.param = openai_compat.EXT
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
         fns = (fn,) if fn is not None else ()
-        if req.cache_salt is not None and is_live_engine(self.model):
-            # vLLM: the engine's run salts a plain request's prefix cache with it; a request with an intervention
-            # gets a salt of its own instead (VLLMRun.cache_salt). Other engines share no cache between requests.
-            ids = x if isinstance(x, list) else list(self.model.tokenizer(x)["input_ids"])
-            x = {"prompt_token_ids": ids, "cache_salt": req.cache_salt}
-        shaper = openai_compat.Shaper(req, n, length, openai_compat.eos_ids(self.model), fn is not None,
+        x = self.front.generation_input(x, req.cache_salt)
+        shaper = openai_compat.Shaper(req, n, length, self.front.eos_ids(), fn is not None,
                                       self.prompt_tokens_details)
         options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter, **req.generate)
         if req.stream:
             try:
                 events = self.batcher.stream_generate(x, *fns, **options)
             except BatcherFull as exc:
-                raise self._run_error(exc, fields) from None
+                raise errors.failure(exc) from None
             fields["stream"] = True
 
             async def body():
@@ -689,7 +629,7 @@ def _msgpack_event(ev) -> bytes:
     return wire.packb(ev)
 
 
-def _msgpack_stream_error(fail: _Fail) -> bytes:
+def _msgpack_stream_error(fail: RequestFailed) -> bytes:
     return wire.packb({"event": "error", "ok": False, "status": fail.status, "error": fail.error})
 
 

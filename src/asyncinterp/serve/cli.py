@@ -248,7 +248,7 @@ def _serve(args, model, keys, log) -> int:
     import uvicorn
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False)
     userver = uvicorn.Server(config)
-    log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": args.engine,
+    log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": server.front.kind,
                                           "host": args.host,
                                           "port": args.port, "interventions": sorted(server.interventions),
                                           "allow_code": args.allow_code,

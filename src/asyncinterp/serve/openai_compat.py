@@ -16,8 +16,9 @@ server's native intervention spec; a :class:`~.batcher.GenerateResult`, or the
 batcher's event stream, becomes OpenAI's JSON answer or its server-sent
 events, with the intervention's result (and its ``emit`` values) in an
 ``asyncinterp`` field. The checks, limits, sandbox, batching, authentication
-and error mapping are the server's own (:mod:`.app` calls this module; it
-imports nothing from there). Invalid requests raise :class:`~.params.BadRequest`
+and error statuses are the server's own (:mod:`.app` calls this module; it
+imports nothing from there; the status table, OpenAI's error types included,
+is :mod:`.errors`). Invalid requests raise :class:`~.params.BadRequest`
 (with ``param``, OpenAI's name of the offending field).
 """
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.generating import stop_hit
+from .errors import openai_type
 from .params import BadRequest, short_repr
 from .wire import WireError
 
@@ -533,15 +535,10 @@ def sse(obj) -> bytes:
 
 
 # --------------------------------------------------------------------------- errors and models
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          422: "intervention_error", 499: "client_disconnect", 503: "overloaded_error", 504: "timeout_error"}
-
-
 def error_body(status: int, error: dict, param=None, code=None) -> dict:
     """OpenAI's error shape for one of the server's errors (its ``type``, ``message``, ``traceback``,
     ``notes``, ``kind``); the server's details stay in an ``asyncinterp`` field."""
-    return {"error": {"message": error.get("message", ""), "type": _TYPES.get(status, "server_error"),
+    return {"error": {"message": error.get("message", ""), "type": openai_type(status),
                       "param": param, "code": code or error.get("kind"),
                       EXT: {k: error[k] for k in ("type", "traceback", "notes", "kind") if k in error}}}
 
@@ -551,15 +548,3 @@ def models_list(name: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                         "owned_by": "asyncinterp"}]}
 
-
-def eos_ids(model) -> set:
-    """End-of-sequence token ids of a language model (its generation config's and its tokenizer's)."""
-    ids = set()
-    cfg = getattr(getattr(model, "module", None), "generation_config", None)
-    eos = getattr(cfg, "eos_token_id", None)
-    for value in (eos, getattr(getattr(model, "tokenizer", None), "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids

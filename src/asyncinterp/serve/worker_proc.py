@@ -40,15 +40,14 @@ import sys
 import threading
 
 from .. import aio
-from . import wire
-from .batcher import Batcher, BatcherClosed, BatcherFull, Meter
+from . import errors, wire
+from .batcher import Batcher, Meter
 from .channel import Channel
 from .sandbox import SandboxTimeout
+from .worker_failures import FAILED_EXIT, OOM_EXIT
 
 log = logging.getLogger("asyncinterp.serve.worker")
 
-OOM_EXIT = 87          # exit status: a request ran out of memory (the worker's rlimit)
-FAILED_EXIT = 70       # exit status: the worker itself failed (logged)
 BEAT_INTERVAL = 0.01   # seconds between heartbeats
 
 # what a request may fail with (an intervention may raise even SystemExit/KeyboardInterrupt)
@@ -267,7 +266,8 @@ class Worker:
                 if alone:
                     self.batcher.max_wait = self.max_wait
         if reply is None:   # cancelled by the server
-            reply = {"t": "done", "id": jid, "ok": False, "cancelled": True, "status": 499,
+            reply = {"t": "done", "id": jid, "ok": False, "cancelled": True,
+                     "status": errors.status_of("client_disconnect"),
                      "error": {"type": "Cancelled", "message": "cancelled", "traceback": [], "notes": []}}
         self._reply(reply)
 
@@ -297,7 +297,7 @@ class Worker:
             data = wire.packb({"t": "event", "id": jid, "event": ev})
         except wire.WireError as exc:   # as the in-process server does: this event becomes an error event
             data = wire.packb({"t": "event", "id": jid, "event": {
-                "event": "error", "ok": False, "error": wire.encode_error(exc, "intervention")}})
+                "event": "error", "ok": False, "error": errors.reported(exc)[1]}})
         self.channel.send_bytes(data)
 
     def _reply(self, reply) -> None:
@@ -312,12 +312,7 @@ class Worker:
     def _failure(self, jid, exc) -> dict:
         if is_out_of_memory(exc):
             self._out_of_memory(jid)
-        status, kind, message = classify(exc)
-        error = getattr(exc, "error", None)
-        if not (isinstance(error, dict) and isinstance(getattr(exc, "status", None), int)):
-            error = wire.encode_error(exc, kind)
-            if message:
-                error["message"] = message
+        status, error = errors.reported(exc)
         return {"t": "done", "id": jid, "ok": False, "status": status, "error": error}
 
     def _out_of_memory(self, jid) -> None:
@@ -332,22 +327,6 @@ def _generated(jid, g) -> dict:
     return {"t": "done", "id": jid, "ok": True, "value": {
         "result": g.result, "tokens": g.tokens, "text": g.text,
         "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted]}}
-
-
-def classify(exc) -> tuple:
-    """``(status, kind, message or None)`` for a request's failure, as the in-process server answers it."""
-    status = getattr(exc, "status", None)
-    if isinstance(status, int) and isinstance(getattr(exc, "error", None), dict):   # a refusal by the server
-        return status, getattr(exc, "kind", "request"), None
-    if isinstance(exc, SandboxTimeout):
-        return 504, "timeout", None
-    if isinstance(exc, TimeoutError):
-        return 504, "timeout", "the request's time limit was reached; its intervention was closed"
-    if isinstance(exc, BatcherFull):
-        return 503, "overloaded", None
-    if isinstance(exc, BatcherClosed):
-        return 503, "closed", None
-    return 422, "intervention", None
 
 
 _ALLOC_FAILED = ("can't allocate memory", "Cannot allocate memory", "not enough memory")
