@@ -48,7 +48,7 @@ from .. import aio
 from ..kernel.errors import RunCancelled
 from ..job import Trace
 from ..kernel.scheduler import current_kernel, current_task
-from ..models.generating import check_stop, stop_hit
+from ..models.generating import check_stop, eos_ids, stop_hit
 from ..run import EVENTS
 
 log = logging.getLogger("asyncinterp.serve")
@@ -811,14 +811,6 @@ class GenerationStream(EventStream):
         self._batcher.unqueue(self._req)
 
 
-def _eos_ids(model):
-    cfg = getattr(model.module, "generation_config", None)
-    eos = getattr(cfg, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
 class _GenerationWatch:
     """A whole-batch helper invoke of a shared generation: tracks each request's tokens after every step.
 
@@ -833,7 +825,7 @@ class _GenerationWatch:
         self.run = None               # the run hosting the generation, once it starts
         self.requests = requests
         self.tokenizer = batcher.model.tokenizer
-        self.eos = _eos_ids(batcher.model)
+        self.eos = eos_ids(batcher.model)
         self.__qualname__ = self.__name__ = "serve-generation-watch"
 
     async def __call__(self, m):

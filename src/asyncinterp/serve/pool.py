@@ -5,7 +5,7 @@ and under its own lock: sending requests to the worker, reading its
 messages, watching its heartbeat and its batch's hard deadline, killing it,
 sorting the requests it held (blame, re-run alone, resend) and forking its
 successor. :class:`~.supervisor.Supervisor` owns one pool per trust class and
-only submits and cancels :class:`Job` s; the policy (what is killed when,
+only submits and cancels :class:`Ticket` s (one per request); the policy (what is killed when,
 who is blamed) is described in :mod:`.supervisor`.
 """
 
@@ -33,7 +33,7 @@ TICK = 0.02           # seconds between a pool's checks of its worker
 _ids = itertools.count(1)
 
 
-class Job:
+class Ticket:
     """One request as the supervisor tracks it across workers (and re-runs)."""
 
     __slots__ = ("id", "kind", "fields", "payload", "timeout", "budget", "mailbox", "state", "worker", "suspect",
@@ -73,7 +73,7 @@ class WorkerHandle:
         self.doomed = False           # judged dead (or being retired): nothing more is sent or believed
         self.broken = None            # why its pipe failed, if it did
         self.kill_cause = None
-        self.jobs = {}                # id -> Job sent to it and not answered
+        self.jobs = {}                # id -> Ticket sent to it and not answered
         self.batch = []               # ids of the batch it is running (empty between batches)
         self.batch_started = None
         self.batch_deadline = None    # the running batch's hard deadline (time.monotonic())
@@ -129,7 +129,7 @@ class Pool:
         self.restart_times = collections.deque(maxlen=50)
 
     # ------------------------------------------------------------------ from the event loops
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Ticket) -> None:
         with self.cond:
             if self.closed:
                 raise BatcherClosed("the server is shutting down")
@@ -142,7 +142,7 @@ class Pool:
             self._dispatch()
             self.cond.notify_all()
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Ticket) -> None:
         with self.cond:
             state = job.state
             if state in ("done", "cancelled"):
@@ -190,7 +190,7 @@ class Pool:
         while self.waiting:
             self._send(w, self.waiting.popleft())
 
-    def _send(self, w: WorkerHandle, job: Job, alone: bool = False) -> None:
+    def _send(self, w: WorkerHandle, job: Ticket, alone: bool = False) -> None:
         job.state = "sent"
         job.worker = w
         w.jobs[job.id] = job

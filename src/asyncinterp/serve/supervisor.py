@@ -56,11 +56,14 @@ from .. import aio
 from .batcher import BatcherClosed, EventStream, GenerateResult
 from .engine_front import front_for
 # the pool and the failures are their own modules; their names stay importable from here
-from .pool import TICK, Job, Pool, WorkerHandle, reap  # noqa: F401
+from .pool import TICK, Pool, Ticket, WorkerHandle, reap  # noqa: F401
+
+#: the old name of a request tracked across workers (before ``asyncinterp.Job`` meant the description of the work)
+Job = Ticket
 from .worker_failures import (Cause, RemoteFailure, WorkerCrashed, WorkerFailure, WorkerHung,  # noqa: F401
                               WorkerOutOfMemory, WorkerOverran, WorkerUnavailable, cause_of_exit, failure_for)
 
-__all__ = ["Cause", "Job", "Pool", "ProcessIsolation", "RemoteFailure", "SupervisedStream", "Supervisor", "TICK",
+__all__ = ["Cause", "Job", "Pool", "Ticket", "ProcessIsolation", "RemoteFailure", "SupervisedStream", "Supervisor", "TICK",
            "WorkerCrashed", "WorkerFailure", "WorkerHandle", "WorkerHung", "WorkerOutOfMemory", "WorkerOverran",
            "WorkerSpec", "WorkerUnavailable", "cause_of_exit", "check_forkable", "failure_for", "reap"]
 
@@ -266,7 +269,7 @@ class Supervisor(aio.Closable):
             p.close(timeout)
 
     # ------------------------------------------------------------------ internals
-    def _submit(self, kind, input, fns, timeout, fields) -> Job:
+    def _submit(self, kind, input, fns, timeout, fields) -> Ticket:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -282,7 +285,7 @@ class Supervisor(aio.Closable):
         # the server waits at most this long in all (worker restarts and re-runs included); the worker's own
         # limits and the hard deadlines end every request well before
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
-        job = Job(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
+        job = Ticket(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
                   guard)
         pool.submit(job)
         return job
@@ -301,7 +304,7 @@ class Supervisor(aio.Closable):
         return value
 
 
-async def _next(job: Job):
+async def _next(job: Ticket):
     with aio.fail_at(job.guard):
         return await job.mailbox.get()
 

@@ -27,7 +27,7 @@ from ...kernel.errors import NotInRunError
 from ...engine import describe_invoke
 from ...hooks.batching import forward_kwargs
 from ...run import Run
-from ..generating import Generated, GeneratedInvoke, check_stop, stop_hit
+from ..generating import Generated, GeneratedInvoke, check_stop, eos_ids, stop_hit
 from .inputs import build_batch, check_length, pad_id_of
 from .padding import PaddedLayout
 from .taps import logits_processor, rank_of, stopping_criteria
@@ -208,8 +208,7 @@ class GenerateRun(LMRun):
             raise TypeError(f"seed must be an int, got {seed!r}")
         kw.setdefault("do_sample", False)
         kw.setdefault("pad_token_id", pad_id_of(lm.tokenizer))
-        eos = kw.get("eos_token_id", getattr(module.generation_config, "eos_token_id", None))
-        self._eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        self._eos = eos_ids(kw["eos_token_id"] if "eos_token_id" in kw else module)
         taps = lm.generation_points
         from transformers import LogitsProcessorList, StoppingCriteriaList
         processors = LogitsProcessorList(list(kw.pop("logits_processor", None) or []))
