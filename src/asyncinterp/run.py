@@ -392,13 +392,10 @@ class Run:
             raise NotInRunError(f"{envoy.path} belongs to another wrapped model")
         output = envoy.output
         kernel = self.kernel
-        key = output.key
-        fired = kernel.fired.get(key, 0)
         at_input = self.in_firing(envoy.inputs.key)
         now = kernel.current_point
-        if (fired > task.consumed.get(key, 0)
-                or (fired == 0 and not at_input and now is not None and now is not output
-                    and self.already_ran(output, now))):
+        if not at_input and kernel.has_run(output, task) or at_input and kernel.fired.get(output.key, 0) > \
+                task.consumed.get(output.key, 0):
             where = await_site(task.coro) if task.coro is not None else "<unknown line>"
             raise OutOfOrderError(
                 f"{envoy.path}.skip(...) at {where}: {envoy.path} already ran in this forward pass (the "

@@ -129,10 +129,7 @@ class GradPoint(Point):
         captured = run.state(GradPoint, set)
         if self.key in captured:
             return
-        kernel = run.kernel
-        now = kernel.current_point
-        passed = kernel.fired.get(base, 0) > 0 or (now is not None and run.already_ran(base, now))
-        if passed and not run.in_firing(base):
+        if run.kernel.has_run(base) and not run.in_firing(base):
             raise OutOfOrderError(
                 f"`await {self.describe()}`: {base.describe()} already ran in this forward pass, so its "
                 "gradient can no longer be captured. Await the gradient point before the model reaches the "

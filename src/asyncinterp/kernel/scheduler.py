@@ -602,6 +602,22 @@ class Kernel:
                 return handler
         return table[object]  # pragma: no cover - every MRO ends in object
 
+    def has_run(self, point, task=None) -> bool:
+        """Whether ``point`` already ran in this step: the one answer to "is it too late to wait for it?".
+
+        With ``task``: whether it fired more often than ``task`` awaited it
+        (its next await could only bind to a call that is over). A point that
+        has not fired this step may still have run before the one firing now
+        (``current_point``): the host answers from the model's order.
+        :meth:`_trap_point` makes the same test inline, on the hot path.
+        """
+        key = point.key
+        fired = self.fired.get(key, 0)
+        if fired > (0 if task is None else task.consumed.get(key, 0)):
+            return True
+        now = self.current_point
+        return fired == 0 and now is not None and now is not point and self.host.already_ran(point, now)
+
     # ------------------------------------------------------------ trap handlers
     # Each takes (task, trap) and returns (value, exc) to resume the task with
     # at once, or None after parking it (task.waiting, task.abort set).
@@ -617,7 +633,7 @@ class Kernel:
         now = self.current_point
         if active is not None and task.group not in active:
             fired = call = 0  # its invoke sits this step out: the wait is for its next step
-        elif fired > call or (fired == 0 and now is not None and self.host.already_ran(trap, now)):
+        elif fired > call or (fired == 0 and now is not None and self.host.already_ran(trap, now)):   # has_run
             where = await_site(task.coro)
             at = task.position.describe() if task.position is not None else "the start of the pass"
             nth = f" call #{call + 1}" if call else ""

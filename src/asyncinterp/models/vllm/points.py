@@ -282,10 +282,7 @@ def _refuse_if_ran(run, kernel, envoy, label) -> None:
     """An :class:`OutOfOrderError` if the layer already ran (or is delivering its output) in this step."""
     out = envoy.output
     now = kernel.current_point
-    ran = kernel.fired.get(out.key, 0) > 0
-    if not ran and now is not None:
-        ran = getattr(now, "key", None) is out.key or run.already_ran(out, now)
-    if ran:
+    if kernel.has_run(out) or (now is not None and getattr(now, "key", None) is out.key):
         raise OutOfOrderError(
             f"{label}: {envoy.path} already ran in this engine step (the intervention is at "
             f"{now.describe() if now is not None else 'its start'}), so there is nothing left to skip; a skip never "
