@@ -9,9 +9,11 @@ model work the source is
 1. parsed and checked (:mod:`.checker`): imports, names, attribute names,
    syntax and size against the policy; anything else is a
    :class:`SandboxRefused` (HTTP 400) naming the line;
-2. instrumented (:mod:`.instrument`): every loop, call, lambda and
+2. instrumented (:mod:`.instrumentation`): every loop, call, lambda and
    comprehension ticks the request's clock (:mod:`.clock`: compute budget,
-   deadline, cancellation; :class:`SandboxTimeout` ends that request only);
+   deadline, cancellation; :class:`SandboxTimeout` ends that request only),
+   and an attribute name outside the allow-list is checked where it is read
+   (only the model answers it);
 3. executed (:mod:`.program`) with the policy's builtins and an import hook
    that hands out proxy modules holding only its operations
    (:mod:`.namespace`). Every tensor submitted code holds is a
@@ -38,7 +40,7 @@ from __future__ import annotations
 from .checker import check_source
 from .envoys import SafeEnvoy, SafePoint
 from .errors import SandboxRefused, SandboxTimeout
-from .instrument import instrument
+from .instrumentation import instrument
 from .namespace import modules, safe_builtins
 from .operations import STATIC_DENIED_OPS
 from .policy import (ALLOWED_ATTRIBUTES, ALLOWED_MODULES, MAX_AST_NODES, MAX_NESTING, MAX_RANGE, MAX_SOURCE_CHARS,

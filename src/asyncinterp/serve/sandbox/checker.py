@@ -4,7 +4,9 @@
 HTTP 400) what :mod:`.policy` does not allow: imports outside its modules,
 private, refused or unlisted names, torch operations it leaves out, refused
 builtins and syntax, attribute assignments other than hook points, code at
-the top level, and sources over its size limits.
+the top level, and sources over its size limits. Attribute names outside the
+allow-list that may be names of the model pass here; the instrumented code
+checks them where they are read (see :mod:`.instrumentation`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class _Checker(ast.NodeVisitor):
             if alias.name == "*":
                 raise SandboxRefused(f"`from {node.module} import *` is not allowed ({_where(node)})")
             check_attribute(alias.name, node)
+            if alias.name not in policy.ALLOWED_ATTRIBUTES:
+                raise SandboxRefused(
+                    f"{alias.name!r} cannot be imported from {node.module} in submitted code ({_where(node)}): it "
+                    "is not on the allow-list (asyncinterp/serve/sandbox/policy.py)")
             if alias.asname:
                 _check_name(alias.asname, node)
         self.generic_visit(node)
@@ -113,8 +119,9 @@ def _check_module(name: str, node) -> None:
 
 
 def check_attribute(attr: str, node) -> None:
-    """Refuse private and refused attribute names, and torch operations the policy leaves out."""
-    if attr.startswith("_"):
+    """Refuse attribute name ``attr`` now unless the policy allows it, or it may be a name of the model
+    (then the instrumented code checks, where it is read, that it is read from the model)."""
+    if attr.startswith(policy.PRIVATE_ATTRIBUTE):
         raise SandboxRefused(f"attribute {attr!r} is not allowed in submitted code ({_where(node)}): names "
                              "starting with an underscore are private")
     if attr in policy.REFUSED_ATTRIBUTES:
@@ -128,7 +135,7 @@ def check_attribute(attr: str, node) -> None:
 
 
 def _check_name(name: str, node) -> None:
-    if name.startswith("__"):
+    if name.startswith(policy.PRIVATE_NAME):
         raise SandboxRefused(f"name {name!r} is not allowed in submitted code ({_where(node)})")
 
 

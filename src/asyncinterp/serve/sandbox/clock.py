@@ -1,7 +1,7 @@
 """A request's clock: the compute budget, the deadline and cancellation, checked by the tick.
 
 Submitted code calls the tick at every loop iteration, call, lambda and
-comprehension step (see :mod:`.instrument`); :class:`Clock` raises
+comprehension step (see :mod:`.instrumentation`); :class:`Clock` raises
 :class:`~.errors.SandboxTimeout` there once the request's time is up, so a
 runaway loop ends that request only, where it runs.
 """

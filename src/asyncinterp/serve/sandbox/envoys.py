@@ -99,7 +99,7 @@ class SafeEnvoy:
     def __getattr__(self, name):
         envoy = object.__getattribute__(self, "_envoy")
         root = object.__getattribute__(self, "_root")
-        if name.startswith("_"):
+        if name.startswith(policy.PRIVATE_ATTRIBUTE):
             raise AttributeError(name)
         if name in submodules(envoy.module):
             return SafeEnvoy(envoy.child(name), False)

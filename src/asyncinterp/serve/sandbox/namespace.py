@@ -5,7 +5,8 @@ names :mod:`.policy` lists for each allowed module (torch functions wrapped
 so that their results are private tensors and factories are measured before
 they allocate); the builtins are the policy's list, with ``range``, ``print``,
 ``repr`` and ``ascii`` replaced by restricted versions. The instrumented
-code also calls :func:`text_safe` from here (values turned into text).
+code also calls two hooks from here: :func:`read_unlisted` (attribute names
+outside the allow-list) and :func:`text_safe` (values turned into text).
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ class ModuleProxy:
 
     def __repr__(self):
         return f"<restricted module {object.__getattribute__(self, '_name')}>"
+
+
+def read_unlisted(obj, name):
+    """``obj.name`` in submitted code, for a name that is not on ``policy.ALLOWED_ATTRIBUTES``.
+
+    Such a name can only be a submodule or hook point of the model, so only the model's
+    :class:`SafeEnvoy` and :class:`SafePoint` may answer it (their own checks decide what they give);
+    read from anything else, it is refused.
+    """
+    if type(obj) is SafeEnvoy or type(obj) is SafePoint:
+        return getattr(obj, name)
+    why = "it is not on the sandbox's allow-list (asyncinterp/serve/sandbox/policy.py)"
+    if type(obj) is ModuleProxy:
+        raise refuse(f"{object.__getattribute__(obj, '_name')}.{name}", why)
+    raise refuse(f"attribute {name!r} of a {type(obj).__name__}",
+                 f"{why}, and names outside that list are read only from the model (its submodules and hook "
+                 f"points, e.g. m.model.layers). For a key of a model output or a params map, write value[{name!r}]")
 
 
 def _creator(fn, name):

@@ -8,9 +8,9 @@ can reach), :class:`~.tensors.PrivateTensor` (which tensor operations run and
 how large their results may be), the model's restricted view and the clock.
 A reviewer who wants to know what submitted code may do reads this file.
 
-Everything here is an allow-list except three lists of names that are
-refused even where another rule would let them through (``REFUSED_BUILTINS``,
-``REFUSED_ATTRIBUTES`` and the private-name rule): they are a second line,
+Everything here is an allow-list except two lists of names refused even
+where another rule would let them through (``REFUSED_BUILTINS``,
+``REFUSED_ATTRIBUTES``) and the private-name rule: they are a second line,
 not the rule.
 """
 
@@ -38,11 +38,16 @@ REFUSED_SYNTAX = {"ClassDef": "class definitions", "Match": "match statements", 
 # definitions (no decorators, literal defaults), a docstring and assignments of literal constants
 TOP_LEVEL_STATEMENTS = frozenset({"Import", "ImportFrom", "FunctionDef", "AsyncFunctionDef", "Expr", "Assign",
                                   "AnnAssign"})
+# names refused wherever they appear: attributes starting with PRIVATE_ATTRIBUTE (x._module, x.__class__);
+# variables, parameters, keywords and params keys starting with PRIVATE_NAME (__builtins__, __import__)
+PRIVATE_ATTRIBUTE = "_"
+PRIVATE_NAME = "__"
 # the only attribute assignments allowed (`m.layer.output = value`, a single target): hook points of the model
 ASSIGNABLE_POINTS = frozenset({"output", "input", "inputs", "logits", "tokens",
                                "resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post"})
 
 # --------------------------------------------------------------------------- modules
+# `import m`, `import m as x`, `from m import name` of these only (no relative imports, no `import *`)
 ALLOWED_MODULES = ("torch", "torch.nn", "torch.nn.functional", "torch.linalg", "torch.fft", "torch.special",
                    "math", "asyncinterp", "asyncinterp.serve")
 
@@ -225,12 +230,18 @@ TEXT_SAFE_TYPES = (str, bytes, int, float, complex, bool, type(None), torch.dtyp
 # The model reaches submitted code as a restricted envoy: submodules (by their names in the model), standard
 # names (layers, attn, mlp, ...), hook points (output, input, inputs, semantic points such as resid_pre, and
 # any point the envoy's class declares), and these; not the nn.Module, its parameters, buffers or methods.
+# What the model hands submitted code (awaited values, gather/spawn results, ad-hoc call results, m.generated) is
+# a private copy of the request's own rows: tensors (PrivateTensor), numbers, strings, and tuples/lists/dicts of
+# them (dicts with attribute access for the OUTPUT_FIELDS); any other object, the KV cache first, becomes None.
+# What goes into the model (assignment, replace/set, skip, in-place edits of those copies) must be a tensor with
+# the shape, dtype and device of the value it replaces, and finite. What leaves (the result, emit) may only be
+# tensors, numbers, strings, bytes and containers of them.
 ENVOY_ATTRIBUTES = _words("path skip")
 ROOT_ATTRIBUTES = _words("steps stop generated")     # the model itself only
 POINT_ATTRIBUTES = _words("replace set")             # a hook point: await it, or replace / set it
 
 # --------------------------------------------------------------------------- attribute names
-# names that are refused anywhere, even where a list would allow them (every name starting with "_" is too)
+# names that are refused anywhere, even where a list would allow them (as every PRIVATE_ATTRIBUTE name is)
 REFUSED_ATTRIBUTES = frozenset({
     # string formatting walks attributes by name ("{0.__class__}".format(x))
     "format", "format_map",
@@ -271,9 +282,16 @@ OUTPUT_FIELDS = _words("logits tokens text hidden_states last_hidden_state atten
 # ai.Future and what `await ai.spawn(...)` gives
 TASK_METHODS = _words("done cancel result exception set_result set_exception name")
 
-# attribute names allowed on any object; torch operations outside it are refused at submission
+# THE RULE for `x.name` in submitted source:
+# * names starting with PRIVATE_ATTRIBUTE, and REFUSED_ATTRIBUTES: refused at submission;
+# * ALLOWED_ATTRIBUTES: allowed on any object (tensors and proxies still check each operation when it runs);
+# * a torch operation outside ALLOWED_ATTRIBUTES (a name torch.Tensor or torch has): refused at submission;
+# * any other name may only be read from the model (its envoys and hook points, which answer only with what the
+#   paragraph "the model" above lists): the read is checked when it runs and refused on any other object.
+# `from module import name` takes only names on ALLOWED_ATTRIBUTES (the module's proxy then holds it or not).
+# Assignment `x.name = value` is allowed for ASSIGNABLE_POINTS of the model only; deletion never.
 ALLOWED_ATTRIBUTES = frozenset(name for name in (
     TENSOR_METHODS | TENSOR_PROPERTIES | TORCH_FUNCTIONS | FUNCTIONAL | LINALG_FUNCTIONS | FFT_FUNCTIONS
     | SPECIAL_FUNCTIONS | TORCH_VALUES | TORCH_DTYPES | TORCH_SUBMODULES | MATH_NAMES | ASYNCINTERP_NAMES
     | PYTHON_VALUE_ATTRIBUTES | RESULT_FIELDS | FINFO_FIELDS | OUTPUT_FIELDS | TASK_METHODS
-) if not name.startswith("_")) - REFUSED_ATTRIBUTES     # operators (__add__ ...) are private names in source
+) if not name.startswith(PRIVATE_ATTRIBUTE)) - REFUSED_ATTRIBUTES     # operators (__add__) are private in source

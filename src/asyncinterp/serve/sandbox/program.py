@@ -23,8 +23,8 @@ from .clock import Clock
 from .driver import Driven
 from .envoys import SafeEnvoy, setpoint
 from .errors import SUBMITTED_PREFIX, SandboxRefused
-from .instrument import PLAIN, SETPOINT, TICK, instrument
-from .namespace import safe_builtins, text_safe
+from .instrumentation import MEMBER, PLAIN, SETPOINT, TICK, instrument
+from .namespace import read_unlisted, safe_builtins, text_safe
 from .values import release, sanitize
 
 
@@ -51,8 +51,7 @@ class Program:
         rest = (a.posonlyargs + a.args)[1:]
         n_def = len(a.defaults)
         positional = [p.arg for p in rest]
-        self.required = {p for i, p in enumerate(positional) if i < len(positional) - n_def} if n_def <= len(positional) \
-            else set()
+        self.required = set(positional[:max(len(positional) - n_def, 0)])   # those without a default
         self.required |= {k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
         self.params = set(positional) | {k.arg for k in a.kwonlyargs}
         self.var_kw = a.kwarg is not None
@@ -72,7 +71,7 @@ class Program:
         if missing:
             raise SandboxRefused(f"{self.entry} needs parameter(s) {missing}")
         for k in params:
-            if k.startswith("__"):
+            if k.startswith(policy.PRIVATE_NAME):
                 raise SandboxRefused(f"parameter name {k!r} is not allowed")
 
     def bind(self, params: dict, deadline: float | None = None, budget: float | None = None):
@@ -86,7 +85,7 @@ class Program:
         self.check_params(params)
         clock = Clock(deadline, budget)
         g = {"__builtins__": safe_builtins(), "__name__": "submitted", TICK: clock.tick, SETPOINT: setpoint,
-             PLAIN: text_safe}
+             PLAIN: text_safe, MEMBER: read_unlisted}
         exec(self.code, g)  # noqa: S102 - checked and restricted above; top level holds only defs/imports/literals
         entry = g[self.entry]
 

@@ -5,6 +5,9 @@ The checked syntax tree is rewritten before it is compiled, so that:
 * every loop body, function body, lambda and comprehension calls the tick
   (``__ai_tick__``: the request's clock, which raises
   :class:`~.errors.SandboxTimeout` when its time is up);
+* every read of an attribute name outside ``policy.ALLOWED_ATTRIBUTES``
+  goes through ``__ai_member__`` (:func:`~.namespace.read_unlisted`), which
+  lets only the model's envoys and hook points answer it;
 * ``x.point = value`` goes through ``__ai_setpoint__`` (hook points of the
   model only);
 * text made from a value (f-strings, ``%``, ``str(x)``) goes through
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import ast
 
+from . import policy
 from .checker import bound_names
 
 TICK = "__ai_tick__"
 SETPOINT = "__ai_setpoint__"
 PLAIN = "__ai_plain__"
+MEMBER = "__ai_member__"
 
 
 def _call(name, *args):
@@ -44,6 +49,12 @@ class _Instrument(ast.NodeTransformer):
     def visit_Lambda(self, node):
         self.generic_visit(node)
         node.body = ast.BoolOp(op=ast.And(), values=[_call(TICK), node.body])
+        return node
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if isinstance(node.ctx, ast.Load) and node.attr not in policy.ALLOWED_ATTRIBUTES:
+            return ast.copy_location(_call(MEMBER, node.value, ast.Constant(node.attr)), node)
         return node
 
     def visit_Assign(self, node):
