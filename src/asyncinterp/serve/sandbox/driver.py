@@ -1,0 +1,119 @@
+"""Running a coroutine of submitted code as a task: edits written back, every resumption timed.
+
+:class:`Driven` wraps each coroutine of submitted code (the entry point,
+spawned and gathered ones). Between two of its awaits it writes in-place
+edits of the private copies it was handed back into the model, checked,
+through ``point.replace`` (:class:`TaskState`), and it times every
+resumption on the request's clock, which is how the compute budget counts
+only the code's own time.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .values import check_replacement, rebuild
+from .tensors import version_of
+
+
+class Pending:
+    """An awaited value whose private copies may be edited in place before the task awaits again."""
+
+    __slots__ = ("point", "raw", "leaves", "done")
+
+    def __init__(self, point, raw, leaves):
+        self.point, self.raw, self.leaves, self.done = point, raw, leaves, False
+
+
+class TaskState:
+    """Per task of submitted code: awaited values whose private copies may be edited in place, and the
+    clock of its request (every resumption of the task is timed on it)."""
+
+    __slots__ = ("pending", "clock")
+
+    def __init__(self, clock=None):
+        self.pending = []
+        self.clock = clock
+
+    def forget(self, point):
+        """An explicit replacement of ``point``: its pending in-place edits are dropped; returns the value."""
+        key = getattr(point, "key", point)
+        raw = None
+        for p in self.pending:
+            if getattr(p.point, "key", p.point) == key:
+                p.done = True
+                raw = p.raw
+        return raw
+
+    def flush(self):
+        """Write in-place edits of private copies back through ``point.replace`` (called when the task
+        awaits something else or returns: while the point is still firing)."""
+        pending, self.pending = self.pending, []
+        for p in pending:
+            if p.done:
+                continue
+            changes = {}
+            for path, raw_leaf, copied, version in p.leaves:
+                if version_of(copied) != version:
+                    what = f"in-place edit of {p.point.describe() if hasattr(p.point, 'describe') else 'a value'}"
+                    changes[path] = check_replacement(copied.clone(), raw_leaf, what)
+            if changes:
+                p.point.replace(rebuild(p.raw, changes))
+
+
+_LOCAL = threading.local()
+
+
+def current_state():
+    """The :class:`TaskState` of the task of submitted code running on this thread, or ``None``."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+class Driven:
+    """Runs a coroutine of submitted code as a task, flushing its in-place edits at every await and
+    timing every resumption on its request's clock (the compute budget)."""
+
+    __slots__ = ("coro", "clock")
+
+    def __init__(self, coro, clock=None):
+        self.coro = coro
+        self.clock = clock
+
+    def __await__(self):
+        coro, clock = self.coro, self.clock
+        state = TaskState(clock)
+        __ai_inner__ = coro   # noqa: F841 - lets await_site find the user's line inside the driven coroutine
+        stack = getattr(_LOCAL, "stack", None)
+        if stack is None:
+            stack = _LOCAL.stack = []
+        send, exc = None, None
+        try:
+            while True:
+                stack.append(state)
+                if clock is not None:
+                    clock.resume()
+                try:
+                    trap = coro.throw(exc) if exc is not None else coro.send(send)
+                    state.flush()
+                except StopIteration as stop:
+                    state.flush()
+                    return stop.value
+                finally:
+                    if clock is not None:
+                        clock.pause()
+                    stack.pop()
+                try:
+                    send, exc = (yield trap), None
+                except GeneratorExit:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - delivered to the submitted coroutine
+                    send, exc = None, e
+        finally:
+            if clock is not None:
+                clock.resume()   # its finally blocks run now: on its clock too
+            try:
+                coro.close()
+            finally:
+                if clock is not None:
+                    clock.pause()
