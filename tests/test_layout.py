@@ -71,3 +71,11 @@ def test_kernel_write_scan_catches_every_kind_of_write(tmp_path):
     assert code == 1, text
     lines = sorted(int(row.split(":")[1]) for row in text.splitlines() if row.startswith(str(plant)))
     assert lines == [3, 4, 5, 6, 8, 10, 11, 13, 14, 16, 17], text
+
+
+def test_no_module_is_a_tangle():
+    # issue 20: no module in src/ over 800 lines, and run.py (the kernel's host) at most 700
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert sizes["run.py"] <= 700, sizes["run.py"]
+    big = {name: n for name, n in sizes.items() if n > 800}
+    assert not big, f"modules over 800 lines: {big}; split them by job"

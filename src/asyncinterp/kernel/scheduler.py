@@ -56,6 +56,7 @@ from .errors import (
 )
 from .host import KernelHost
 from .task import Task, callable_name, is_async_fn
+from .waits import FutureWait, abort_future, abort_join, raised_in_asyncio
 from .traps import CallTrap, FutureTrap, JoinTrap, PointTrap, SpawnTrap, StepTrap
 
 __all__ = ["Kernel", "Task", "TaskHandle", "callable_name", "current_kernel", "current_run", "current_task",
@@ -130,7 +131,7 @@ class Kernel:
         self.fired = {}           # point key -> calls so far in this step
         self.waiters = {}         # point key -> [(task, call index, trap)]
         self.step_waiters = []
-        self.future_waits = {}    # task parked on a Future -> its done callback (a _FutureWait)
+        self.future_waits = {}    # task parked on a Future -> its done callback (a FutureWait)
         self.ready = []           # (task, value, exc), first in first out
         self.tasks = []
         self.failures = []
@@ -567,7 +568,7 @@ class Kernel:
                     self._finish_task(task, stop.value, None)
                     return
                 except BaseException as err:  # noqa: BLE001 - tasks may raise anything
-                    if isinstance(err, RuntimeError) and _raised_in_asyncio(err):
+                    if isinstance(err, RuntimeError) and raised_in_asyncio(err):
                         foreign = ForeignAwaitError(
                             f"intervention {task.name!r} used asyncio at {await_site(coro)}: interventions run "
                             "inside the model's forward pass, where no event loop runs. Use "
@@ -664,10 +665,10 @@ class Kernel:
             return (None, exc) if exc is not None else (fut.result(), None)
         if self.finished:
             return None, UnsetFutureError(f"{fut!r} is not set and the run has ended")
-        wait = _FutureWait(self, task, fut)
+        wait = FutureWait(self, task, fut)
         self.future_waits[task] = wait
         task.waiting = trap
-        task.abort = _abort_future
+        task.abort = abort_future
         fut.add_done_callback(wait)
         self._parked_holding(task)
         return None
@@ -688,7 +689,7 @@ class Kernel:
         if child.done:
             return self._joined(task, child)
         task.waiting = trap
-        task.abort = _abort_join
+        task.abort = abort_join
         if child.joiners is None:
             child.joiners = [task]
         else:
@@ -764,54 +765,9 @@ _RESUME_NONE = (None, None)
 _NONE_ENDED = frozenset()   # Kernel.ended until an invoke ends early
 
 
-class _FutureWait:
-    """A task parked on a Future: the done callback the kernel registers on it."""
-
-    __slots__ = ("kernel", "task", "future")
-
-    def __init__(self, kernel, task, future):
-        self.kernel = kernel
-        self.task = task
-        self.future = future
-
-    def __call__(self, fut):  # the future was set: resume the task with its outcome
-        kernel, task = self.kernel, self.task
-        del kernel.future_waits[task]
-        exc = fut.exception()
-        kernel.reschedule(task, None if exc is not None else fut.result(), exc)
-
-
-def _abort_future(kernel, task):
-    """Give up a wait on a Future: forget the done callback."""
-    wait = kernel.future_waits.pop(task)
-    wait.future.remove_done_callback(wait)
-
-
-def _abort_join(kernel, task):
-    """Give up a wait on a sub-task: leave its joiners."""
-    task.waiting.task.joiners.remove(task)
-
-
 def _order_of(entry):
     return entry[0].order
 
 
 def _task_order(task):
     return task.order
-
-
-def _raised_in_asyncio(err) -> bool:
-    """Whether ``err`` was raised inside the asyncio package.
-
-    An intervention runs inside the model's forward pass, where no event loop
-    runs: asyncio calls that need one fail there (``asyncio.sleep(1)``,
-    ``asyncio.create_task`` raise ``RuntimeError`` from ``get_running_loop``).
-    """
-    tb = err.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    module = tb.tb_frame.f_globals.get("__name__") or ""
-    return module == "asyncio" or module.startswith("asyncio.")
-
