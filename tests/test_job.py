@@ -1,6 +1,5 @@
 """A job is the description of the work: built once, frozen, comparable, bytes and back; engines take it."""
 
-import dataclasses
 import textwrap
 
 import pytest
@@ -56,9 +55,9 @@ def test_a_trace_builds_a_frozen_job_that_no_longer_changes(mlp):
     assert isinstance(job, ai.Job) and job.kind == "trace" and job.on_error == "continue"
     assert [spec.fns for spec in job.invokes] == [(zero_layer_one,), (read_layer_two,)]
     assert job.invokes[0].input is x and job.results == tuple(run.invokes)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         job.on_error = "stop"
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         job.invokes[0].fns = ()
     with pytest.raises(TypeError):
         job.generation["max_new_tokens"] = 3          # mappings of a job are read-only

@@ -25,10 +25,12 @@ For the in-process engines the execution is the kernel's host itself, a
 
 from __future__ import annotations
 
+from inspect import CO_COROUTINE
+from types import FunctionType
 from typing import Any, Protocol
 
 from .invoke import Invoke
-from .job import InvokeSpec, capture, check_intervention, check_kwargs, frozen_mapping, split_input
+from .job import EMPTY, InvokeSpec, binds_nothing, capture, check_intervention, check_kwargs, frozen_mapping, split_input
 from .run import Run
 
 __all__ = ["Engine", "Execution", "ForwardEngine", "describe_invoke"]
@@ -71,14 +73,24 @@ class Engine(Protocol):
 
 def describe_invoke(index, input, fns, kwargs, deferred, invoke_class=Invoke, options=None) -> Invoke:
     """The common checks of an invoke and its result carrier (engines add their own around it)."""
-    input, fns = split_input(input, fns)
-    for fn in fns:
-        check_intervention(fn)
+    if fns:
+        for fn in fns:
+            if type(fn) is not FunctionType or not fn.__code__.co_flags & CO_COROUTINE:   # else: an `async def`
+                check_intervention(fn)
+    else:
+        input, fns = split_input(input, fns)
     if kwargs:
         check_kwargs(kwargs)
-    spec = InvokeSpec(input, tuple(fns), frozen_mapping(kwargs), frozen_mapping(options),
-                      capture(fns) if deferred and fns else ())
-    return invoke_class(index, spec)
+        kwargs = frozen_mapping(kwargs)
+    else:
+        kwargs = EMPTY
+    if type(fns) is not tuple:
+        fns = tuple(fns)
+    if deferred and fns and (len(fns) > 1 or type(fns[0]) is not FunctionType or fns[0].__code__ not in binds_nothing):
+        captured = capture(fns)
+    else:
+        captured = ()   # run at once, or an intervention that reads no variable (the common case)
+    return invoke_class(index, InvokeSpec(input, fns, kwargs, frozen_mapping(options) if options else EMPTY, captured))
 
 
 class ForwardEngine:
@@ -87,8 +99,7 @@ class ForwardEngine:
     def __init__(self, model):
         self.model = model
 
-    def make_invoke(self, index, input, fns, kwargs, deferred) -> Invoke:
-        return describe_invoke(index, input, fns, kwargs, deferred)
+    make_invoke = staticmethod(describe_invoke)
 
     def start(self, job) -> Run:
         return Run(self.model, job)

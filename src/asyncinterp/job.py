@@ -29,15 +29,13 @@ and the check that a callable can be an intervention.
 
 from __future__ import annotations
 
-import dataclasses
 import dis
 import functools
 import inspect
 import types
 import weakref
-from dataclasses import dataclass, field
+from operator import itemgetter
 from types import FunctionType, MappingProxyType
-from typing import Any
 
 from .invoke import Invoke
 from .kernel.errors import AsyncInterpError
@@ -59,48 +57,111 @@ def frozen_mapping(value) -> MappingProxyType:
     return MappingProxyType(dict(value))
 
 
-@dataclass(frozen=True, slots=True)
-class InvokeSpec:
-    """One invoke of a job: an input (``None``: it sees the whole batch) and the interventions that see its rows."""
+class _Frozen(tuple):
+    """A plain value with named fields that cannot be changed after it is made.
 
-    input: Any = None
-    fns: tuple = ()
-    kwargs: MappingProxyType = field(default_factory=lambda: EMPTY)    #: keyword arguments for the model's forward
-    options: MappingProxyType = field(default_factory=lambda: EMPTY)   #: per-invoke engine options (vLLM sampling)
-    captured: tuple = ()                 #: ``(function, name, holder, value)`` bound when it was added
-    background: bool = False             #: runs beside the others (persistent edits): keeps no generation going
+    A tuple underneath (a job is made for every trace, and a tuple is the
+    cheapest immutable record Python has); each field is a read-only
+    property. ``_compared`` is how many leading fields take part in equality.
+    """
+
+    __slots__ = ()
+    _fields = ()
+    _compared = 0
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        n = self._compared
+        return tuple.__eq__(self[:n], other[:n])
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None
+
+    def replace(self, **changes):
+        """A copy with ``changes`` (this one is frozen)."""
+        fields = dict(zip(self._fields, self))
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}; its fields are {list(fields)}")
+        fields.update(changes)
+        return type(self)(**fields)
+
+    def __repr__(self):
+        shown = ", ".join(f"{f}={v!r}" for f, v in zip(self._fields[:self._compared], self))
+        return f"{type(self).__name__}({shown})"
+
+    def __reduce__(self):
+        return (type(self), tuple(self))
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    """The description of one run of interventions (see the module docs)."""
+def _fields(cls):
+    """Give ``cls`` a read-only property per name in ``cls._fields`` (item i of the tuple)."""
+    for i, name in enumerate(cls._fields):
+        setattr(cls, name, property(itemgetter(i), doc=f"field {i} of the {cls.__name__}"))
+    return cls
 
-    invokes: tuple = ()
-    kind: str = "trace"                       #: ``"trace"`` (one forward) or ``"generate"``
-    on_error: str = "stop"                    #: ``"stop"``: a failure stops the run; ``"continue"``: only its invoke
-    stop_per_invoke: bool = False             #: ``m.stop()`` ends only the caller's invoke (serving)
-    generation: MappingProxyType = field(default_factory=lambda: EMPTY)   #: ``max_new_tokens``, sampling, ``stop``...
-    context: MappingProxyType = field(default_factory=lambda: EMPTY)      #: values for interventions and tools
-    results: tuple = field(default=(), compare=False, repr=False)   #: one result carrier per invoke
-    listener: Any = field(default=None, compare=False, repr=False)  #: hears tokens/events as produced
 
-    def __post_init__(self):
-        if self.on_error != "stop" and self.on_error != "continue":
-            raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
-                             f"(it fails only its own invoke), got {self.on_error!r}")
-        if self.kind != "trace" and self.kind != "generate":
-            raise ValueError(f"a job's kind is 'trace' or 'generate', got {self.kind!r}")
-        if self.results and len(self.results) != len(self.invokes):
-            raise ValueError(f"a job has {len(self.invokes)} invokes but {len(self.results)} result carriers")
+@_fields
+class InvokeSpec(_Frozen):
+    """One invoke of a job: an input (``None``: it sees the whole batch) and the interventions that see its rows.
 
-    def replace(self, **changes) -> "Job":
-        """A new job with ``changes`` (this one is frozen)."""
-        return dataclasses.replace(self, **changes)
+    ``kwargs``: keyword arguments for the model's forward; ``options``: per-invoke engine
+    options (vLLM: sampling); ``captured``: ``(function, name, holder, value)`` for each
+    variable the interventions read, as bound when the invoke was added (the late-binding
+    check); ``background``: it runs beside the others (persistent edits) and keeps no
+    generation going.
+    """
+
+    __slots__ = ()
+    _fields = ("input", "fns", "kwargs", "options", "captured", "background")
+    _compared = 6
+
+    def __new__(cls, input=None, fns: tuple = (), kwargs=EMPTY, options=EMPTY, captured: tuple = (),
+                background: bool = False):
+        return tuple.__new__(cls, (input, fns, kwargs, options, captured, background))
+
+
+@_fields
+class Job(_Frozen):
+    """The description of one run of interventions (see the module docs).
+
+    ``invokes``: its :class:`InvokeSpec` s; ``kind``: ``"trace"`` (one forward) or
+    ``"generate"``; ``on_error``: ``"stop"`` (a failure stops the run) or ``"continue"``
+    (it fails only its own invoke); ``stop_per_invoke``: ``m.stop()`` ends only the
+    caller's invoke (serving); ``generation``: ``max_new_tokens``, sampling, ``stop``...;
+    ``context``: values for the interventions and tools (serving: its requests).
+    Where results go takes no part in equality: ``results`` (one result carrier per
+    invoke) and ``listener`` (hears tokens and events as they are produced).
+    """
+
+    __slots__ = ()
+    _fields = ("invokes", "kind", "on_error", "stop_per_invoke", "generation", "context", "results", "listener")
+    _compared = 6
+
+    def __new__(cls, invokes: tuple = (), kind: str = "trace", on_error: str = "stop", stop_per_invoke: bool = False,
+                generation=EMPTY, context=EMPTY, results: tuple = (), listener=None):
+        if on_error != "stop" and on_error != "continue" or kind != "trace" and kind != "generate" \
+                or results and len(results) != len(invokes):
+            _refuse(invokes, kind, on_error, results)
+        return tuple.__new__(cls, (invokes, kind, on_error, stop_per_invoke, generation, context, results, listener))
 
     @property
     def intervened(self) -> bool:
         """Whether some invoke has interventions."""
         return any(spec.fns for spec in self.invokes)
+
+
+def _refuse(invokes, kind, on_error, results):
+    if on_error != "stop" and on_error != "continue":
+        raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
+                         f"(it fails only its own invoke), got {on_error!r}")
+    if kind != "trace" and kind != "generate":
+        raise ValueError(f"a job's kind is 'trace' or 'generate', got {kind!r}")
+    raise ValueError(f"a job has {len(invokes)} invokes but {len(results)} result carriers")
 
 
 # ----------------------------------------------------------------------- building a job
@@ -148,9 +209,16 @@ class Trace:
 
     @property
     def job(self) -> Job:
-        """The frozen description of this trace (built on first use; no invoke can be added after)."""
+        """The frozen description of this trace (built on first use; no invoke can be added after).
+
+        Raises :class:`LateBindingError` if a variable an intervention reads was rebound since its invoke
+        was added (a loop variable, typically).
+        """
         job = self._job
         if job is None:
+            for inv in self.invokes:   # the late-binding check: what the interventions read, as bound when added
+                if inv.spec.captured:
+                    check_captured(inv.spec, inv.index)
             carriers = (*self._background, *self.invokes)
             job = self._job = Job(tuple([inv.spec for inv in carriers]), self.kind, self.on_error,
                                   self.stop_per_invoke, frozen_mapping(self.generation), frozen_mapping(self.context),
@@ -244,7 +312,7 @@ def capture(fns) -> tuple:
     """What ``fns`` read from closure variables and globals, as bound now (see :func:`check_captured`)."""
     if len(fns) == 1:
         fn = fns[0]
-        if type(fn) is FunctionType and fn.__code__ in _binds_nothing:   # (most interventions read nothing)
+        if type(fn) is FunctionType and fn.__code__ in binds_nothing:   # (most interventions read nothing)
             return ()
         return tuple(_bound_names(fn))
     return tuple(c for fn in fns for c in _bound_names(fn))
@@ -289,7 +357,7 @@ def _bound_names(fn):
     if names is None:
         names = _global_names(code)
     if not names and not code.co_freevars:
-        _binds_nothing.add(code)
+        binds_nothing.add(code)
         return ()
     out = []
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -308,7 +376,7 @@ def _bound_names(fn):
 
 
 _names_of_code = {}      # code object -> the global names it (or its nested code) reads (code objects are few)
-_binds_nothing = set()   # code objects with no closure variables and no global reads (capture skips them)
+binds_nothing = set()   # code objects with no closure variables and no global reads (capture skips them)
 _GLOBAL_LOADS = frozenset(("LOAD_GLOBAL", "LOAD_NAME"))
 _DEFINITIONS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
 _UNBOUND = object()
@@ -324,7 +392,7 @@ def _global_names(code):
                 found.update(_global_names(const))
         if len(_names_of_code) > 100_000:
             _names_of_code.clear()
-            _binds_nothing.clear()
+            binds_nothing.clear()
         names = _names_of_code[code] = tuple(found)
     return names
 

@@ -1,10 +1,11 @@
 """The wrapped model: the root envoy plus the entry points that run it.
 
 ``ai.wrap(module)`` returns a :class:`Model`. It is the root of the envoy
-tree (``model.layers[3]``) and it runs interventions: ``trace`` in scripts,
-``atrace`` in async code, or a ``with model.trace() as run:`` block with
-several invokes batched into one forward. Subclasses (language models, vLLM)
-override how inputs become a forward call and which layout slices the batch.
+tree (``model.layers[3]``) and a thin facade over jobs: ``trace`` in
+scripts, ``atrace`` in async code, or a ``with model.trace() as run:`` block
+with several invokes make a :class:`~asyncinterp.job.Job` and hand it to the
+engine that :meth:`Model.engine` names. Language models and vLLM bring their
+own engines; the model classes only say which.
 """
 
 from __future__ import annotations

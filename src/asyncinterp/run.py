@@ -35,7 +35,7 @@ from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
 from .hooks.firing import Firing, StaleEditWarning, StaleWatch
 from .hooks.views import WHOLE_BATCH, Layout
 from .invoke import Invoke, RunStopped, forgotten_await
-from .job import LateBindingError, check_captured, check_intervention, is_async_fn
+from .job import LateBindingError, check_intervention, is_async_fn
 from .kernel.futures import Future
 from .kernel.scheduler import Kernel, callable_name, current_task
 from .kernel.traps import PointTrap
@@ -80,9 +80,7 @@ class Run:
         self.on_error = job.on_error
         self.stop_per_invoke = job.stop_per_invoke   # m.stop() ends only the caller's invoke (serving)
         self.stepping = False              # the run has steps (generation): leaving m.steps() early may end it
-        self.invokes = invokes = job.results
-        for inv in invokes:
-            inv.bind(self)
+        self.invokes = job.results         # the result carriers (each bound to this run when it starts)
         self.kernel = None
         self.done = False
         self.output = None
@@ -541,13 +539,10 @@ class Run:
         (vLLM's worker) call it, then ``begin_step``/``end_invoke``, then
         ``finish`` and ``cleanup``.
         """
-        invokes = self.invokes
-        for inv in invokes:
-            if inv.spec.captured:
-                check_captured(inv.spec, inv.index)
         kernel = self.kernel = Kernel(self, self.on_error)
         model = self.model
-        for inv in invokes:
+        for inv in self.invokes:
+            inv.bind(self)
             for fn in inv.spec.fns:
                 coro = fn(model)
                 if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):

@@ -45,8 +45,7 @@ class LMForwardEngine:
     def __init__(self, model):
         self.model = model
 
-    def make_invoke(self, index, input, fns, kwargs, deferred):
-        return describe_invoke(index, input, fns, kwargs, deferred)
+    make_invoke = staticmethod(describe_invoke)
 
     def start(self, job) -> "LMRun":
         return LMRun(self.model, job)
