@@ -11,6 +11,7 @@
     out = model.trace(x, ablate)
 """
 
+from . import moved
 from .aio import in_loop
 from .hooks.envoy import Envoy, HookPoint, point
 from .kernel.errors import (
@@ -37,6 +38,8 @@ from .tools.cache import Cache, cache
 from .tools.scan import ShapeInfo, Shapes, scan
 from .tools.session import Session
 from .hooks import aliases
+
+moved.install()   # old import paths of modules that moved (asyncinterp.envoy, asyncinterp.models.bundled, ...)
 
 __version__ = "0.1.0"
 
