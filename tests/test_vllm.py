@@ -32,7 +32,7 @@ def hf(tiny_dir):
 
 
 def _hooks(vm):
-    runner = vm.engine.model_executor.driver_worker.worker.model_runner
+    runner = vm.llm_engine.model_executor.driver_worker.worker.model_runner
     mods = list(runner.model.modules()) + [runner.sampler]
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in mods)
 
@@ -41,7 +41,7 @@ def _hooks(vm):
 def clean_engine(vm):
     yield vm
     assert _hooks(vm) == 0, "a run left hooks on the model"
-    assert not vm.engine.has_unfinished_requests(), "a run left requests in the engine"
+    assert not vm.llm_engine.has_unfinished_requests(), "a run left requests in the engine"
 
 
 def _greedy(vm, prompts=PROMPTS, n=6, fns=None, **kw):
@@ -499,7 +499,7 @@ def test_cleanup_over_many_runs(vm):
             pass
     gc.collect()
     assert _hooks(vm) == 0
-    assert not vm.engine.has_unfinished_requests()
+    assert not vm.llm_engine.has_unfinished_requests()
     assert sum(r() is not None for r in refs) == 0
 
 
