@@ -377,6 +377,27 @@ def test_persistent_edit_applies_to_every_request(vm, clean_engine):
     assert _greedy(vm, n=3)[0] == base
 
 
+def test_an_edit_keeps_no_generation_going(vm, clean_engine):
+    """An edit is a background invoke of every job: leaving m.steps() ends the generation as without it."""
+    async def noop(m):
+        await m.model.layers[0].hidden
+
+    async def until_step_2(m):
+        async for step in m.steps():
+            await m.tokens
+            if step == 2:
+                break
+        return "left"
+
+    plain = vm.generate(PROMPTS[0], until_step_2, max_new_tokens=8)
+    edited = vm.edit(noop)
+    assert edited.loop is vm.loop                       # one loop steps the engine, whichever copy submits
+    assert edited.engine("generate").model is edited    # the copy's jobs run with the copy's envoys
+    gen = edited.generate(PROMPTS[0], until_step_2, max_new_tokens=8)
+    assert plain.stopped and gen.stopped and gen.result == "left"
+    assert gen.tokens.tolist() == plain.tokens.tolist() and len(gen.tokens) < 8
+
+
 # ----------------------------------------------------------------------------- control and errors
 
 
