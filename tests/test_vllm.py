@@ -458,6 +458,33 @@ def test_invoke_cancel_aborts_only_that_request(vm, clean_engine):
     assert len(a.tokens) < 5 and len(b.tokens) == 5
 
 
+def test_an_invoke_cancelled_before_its_job_starts_never_runs(vm, clean_engine):
+    async def read(m):
+        return (await m.logits).argmax().item()
+
+    with vm.generate(max_new_tokens=3) as run:
+        a = run.invoke(PROMPTS[0], read)
+        b = run.invoke(PROMPTS[1], read)
+        a.cancel()
+    with pytest.raises(ai.RunCancelled):
+        a.result
+    assert len(a.tokens) == 0 and len(b.tokens) == 3 and b.result == b.tokens[0].item()
+
+
+def test_a_plain_job_runs_as_a_built_trace_does(vm, clean_engine):
+    """A job is a value: submitted as it is (no result carriers), the engine makes them; same tokens."""
+    job = ai.Job((ai.InvokeSpec(PROMPTS[0]), ai.InvokeSpec(PROMPTS[1], options={"max_new_tokens": 2})),
+                 "generate", generation={"max_new_tokens": 4})
+    live = vm.submit(job)
+    live.wait()
+    a, b = live.output
+    assert a.token_ids == _greedy(vm, prompts=PROMPTS[:1], n=4)[0][0] and len(b.token_ids) == 2
+    assert a.result is None and not live.stopped and live.layout is None
+    live.wait()                                   # waiting again for a finished job returns at once
+    with pytest.raises(RuntimeError, match="already submitted"):
+        live.submit()
+
+
 def test_atrace_and_cancellation(vm, clean_engine):
     async def slow(m):
         async for _ in m.steps():
