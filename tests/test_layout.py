@@ -57,7 +57,8 @@ def test_only_kernel_hosts_inherit_from_run():
             importlib.import_module(info.name)
         except ImportError as exc:   # optional dependencies (vllm, serve extras) may be missing
             skipped.append(f"{info.name}: {exc}")
-    hosts = {f"{c.__module__}.{c.__qualname__}" for c in _all_subclasses(Run) if c.__module__.startswith("asyncinterp.")}
+    hosts = {f"{c.__module__}.{c.__qualname__}" for c in _all_subclasses(Run)
+             if c.__module__.startswith("asyncinterp.")}
     known = {"asyncinterp.models.hf.runs.LMRun", "asyncinterp.models.hf.runs.GenerateRun",
              "asyncinterp.models.vllm.worker.WorkerRun"}
     if any(name.startswith("asyncinterp.models.vllm") for name in skipped):

@@ -128,10 +128,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         init(self, "loop", EngineLoop(self))         #: the live engine loop (:mod:`.loop`); its thread starts on use
         init(self, "local_session", local)           #: the WorkerSession in this process (TP=1), else None
         init(self, "max_model_len", getattr(engine.vllm_config.model_config, "max_model_len", None))
-        init(self, "_engines", self._make_engines())
-
-    def _make_engines(self) -> dict:
-        return {"trace": VLLMEngine(self, "trace"), "generate": VLLMEngine(self, "generate")}
+        init(self, "_engines", _engines_of(self))
 
     @property
     def closed(self) -> bool:
@@ -206,7 +203,8 @@ class VLLM(GeneratingModel, VLLMRoot):
         """
         from ...aio import Mailbox
         from ..generating import _checked_max_new_tokens
-        trace = Trace(self, "generate", on_error, generation={"max_new_tokens": _checked_max_new_tokens(max_new_tokens)})
+        trace = Trace(self, "generate", on_error,
+                      generation={"max_new_tokens": _checked_max_new_tokens(max_new_tokens)})
         box = Mailbox()
         trace.listener = StreamListener(box, self.tokenizer)
         inv = trace.invoke(input, *fns, **sampling)
@@ -242,11 +240,11 @@ class VLLM(GeneratingModel, VLLMRoot):
         self.close()
 
     def __copy__(self):
-        """A shallow copy sharing the engine and its loop (``model.edit`` clones the root envoy); pickling stays refused."""
+        """A shallow copy sharing the engine and its loop (``model.edit`` clones the root envoy); no pickling."""
         new = object.__new__(type(self))
         for name, value in vars(self).items():
             object.__setattr__(new, name, value)
-        object.__setattr__(new, "_engines", new._make_engines())   # the copy's jobs run with the copy's envoys
+        object.__setattr__(new, "_engines", _engines_of(new))   # the copy's jobs run with the copy's envoys
         return new
 
     def __reduce_ex__(self, protocol):
@@ -260,3 +258,8 @@ class VLLM(GeneratingModel, VLLMRoot):
         if depth == 0:
             text += "\n(+ points m.logits, m.tokens; layers[i].hidden is the residual stream)"
         return text
+
+
+def _engines_of(model) -> dict:
+    """The engines of ``model``'s jobs, by kind (a copy of the model gets its own)."""
+    return {"trace": VLLMEngine(model, "trace"), "generate": VLLMEngine(model, "generate")}

@@ -179,11 +179,12 @@ class LiveJob:
                 self.pending.add(ext)
             if self.intervened:
                 payload = [(internal.get(inv.index), inv.spec.fns, inv.spec.background) for inv in self.invokes]
-                options = {"kind": self.job.kind, "on_error": self.on_error, "stop_per_invoke": self.job.stop_per_invoke}
+                job = self.job
+                options = {"kind": job.kind, "on_error": job.on_error, "stop_per_invoke": job.stop_per_invoke}
                 if model.tp > 1:
                     payload = _dumps(payload)
                 else:
-                    options["context"] = self.job.context   # (in process only: it may hold unpicklable tables)
+                    options["context"] = job.context   # (in process only: it may hold unpicklable tables)
                 self.opened = True
                 model.rpc(rpc_open, self.key, options, payload)
                 # a task may have failed or stopped before the first step: then no step is needed

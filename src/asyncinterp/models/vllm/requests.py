@@ -60,11 +60,13 @@ class VLLMInvoke(GeneratedInvoke):
     def value(self):
         """The interventions' result from their outcomes (see :meth:`Invoke.value`; ``None`` without any)."""
         if self.cancelled:
-            raise RunCancelled(f"invoke {self.index} was cancelled (Invoke.cancel); the other invokes of its run went on")
+            raise RunCancelled(f"invoke {self.index} was cancelled (Invoke.cancel); "
+                               "the other invokes of its run went on")
         outcomes = self.outcomes
         for o in outcomes:
             if not o.done or o.closed:
-                raise RunStopped(f"intervention {o.name!r} of invoke {self.index} did not finish: the run stopped early")
+                raise RunStopped(f"intervention {o.name!r} of invoke {self.index} did not finish: "
+                                 "the run stopped early")
             if o.exc is not None:
                 raise o.exc
         if len(outcomes) == 1:
