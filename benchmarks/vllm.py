@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     params = SamplingParams(max_tokens=ns.tokens, temperature=0.0, ignore_eos=True)
     direction = torch.randn(hidden, generator=torch.Generator().manual_seed(0)) * 0.5
     target = model.model.layers[layer]
-    runner = model.engine.model_executor.driver_worker.worker.model_runner
+    runner = model.llm_engine.model_executor.driver_worker.worker.model_runner
 
     async def read(m):
         async for _ in m.steps():

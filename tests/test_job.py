@@ -165,3 +165,23 @@ def test_a_generation_job_carries_its_options():
 
 async def read_first_layer(m):
     return (await m.model.layers[0].output).shape
+
+
+def test_an_edited_copy_runs_its_jobs_with_its_own_envoys(mlp):
+    model = ai.wrap(mlp)
+    x = torch.randn(2, 8)
+
+    async def who(m):
+        await m.layers[2].output
+        return m
+
+    assert model.trace(x, who) is model                    # the original's engine exists now
+
+    async def ablate(m):
+        (await m.layers[1].output)[:] = 0
+
+    edited = model.edit(ablate)
+    assert edited.engine("trace").model is edited and model.engine("trace").model is model
+    assert edited.trace(x, who) is edited
+    assert torch.equal(edited.trace(x, read_layer_two), _reference(mlp, x, zero=True))
+    assert torch.equal(model.trace(x, read_layer_two), _reference(mlp, x, zero=False))

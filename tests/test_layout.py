@@ -101,3 +101,44 @@ def test_old_import_paths_of_moved_modules_still_work():
     from asyncinterp.run import Invoke, LateBindingError, RunStopped, StaleEditWarning, check_intervention, is_async_fn
     from asyncinterp.serve.supervisor import Job, Pool, WorkerFailure
     assert Trace is asyncinterp.Trace and Invoke is asyncinterp.Invoke and Job.__name__ == "Ticket"
+
+
+def _all_subclasses(cls):
+    out = set()
+    for sub in cls.__subclasses__():
+        out.add(sub)
+        out |= _all_subclasses(sub)
+    return out
+
+
+def test_only_kernel_hosts_inherit_from_run():
+    # A Run hosts a kernel while a forward executes; what only describes or schedules work (a job, a builder,
+    # the vLLM driver's live job) must not inherit ~600 lines of it. Every module is imported (vLLM's when it
+    # can be) so that every subclass is seen; adding a host means adding it here, deliberately.
+    import importlib
+    import pkgutil
+
+    import asyncinterp
+    from asyncinterp.run import Run
+
+    skipped = []
+    for info in pkgutil.walk_packages(asyncinterp.__path__, "asyncinterp."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError as exc:   # optional dependencies (vllm, serve extras) may be missing
+            skipped.append(f"{info.name}: {exc}")
+    hosts = {f"{c.__module__}.{c.__qualname__}" for c in _all_subclasses(Run)
+             if c.__module__.startswith("asyncinterp.")}
+    known = {"asyncinterp.models.hf.runs.LMRun", "asyncinterp.models.hf.runs.GenerateRun",
+             "asyncinterp.models.vllm.worker.WorkerRun"}
+    if any(name.startswith("asyncinterp.models.vllm") for name in skipped):
+        known.discard("asyncinterp.models.vllm.worker.WorkerRun")
+    assert hosts == known, (hosts, skipped)
+    try:
+        from asyncinterp.models.vllm.jobs import LiveJob
+        from asyncinterp.models.vllm.driver import VLLMRun
+    except ImportError:
+        return
+    assert VLLMRun is LiveJob and not issubclass(LiveJob, Run)
+    from asyncinterp.job import Trace
+    assert not issubclass(LiveJob, Trace)

@@ -32,7 +32,7 @@ def hf(tiny_dir):
 
 
 def _hooks(vm):
-    runner = vm.engine.model_executor.driver_worker.worker.model_runner
+    runner = vm.llm_engine.model_executor.driver_worker.worker.model_runner
     mods = list(runner.model.modules()) + [runner.sampler]
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in mods)
 
@@ -41,7 +41,7 @@ def _hooks(vm):
 def clean_engine(vm):
     yield vm
     assert _hooks(vm) == 0, "a run left hooks on the model"
-    assert not vm.engine.has_unfinished_requests(), "a run left requests in the engine"
+    assert not vm.llm_engine.has_unfinished_requests(), "a run left requests in the engine"
 
 
 def _greedy(vm, prompts=PROMPTS, n=6, fns=None, **kw):
@@ -377,6 +377,27 @@ def test_persistent_edit_applies_to_every_request(vm, clean_engine):
     assert _greedy(vm, n=3)[0] == base
 
 
+def test_an_edit_keeps_no_generation_going(vm, clean_engine):
+    """An edit is a background invoke of every job: leaving m.steps() ends the generation as without it."""
+    async def noop(m):
+        await m.model.layers[0].hidden
+
+    async def until_step_2(m):
+        async for step in m.steps():
+            await m.tokens
+            if step == 2:
+                break
+        return "left"
+
+    plain = vm.generate(PROMPTS[0], until_step_2, max_new_tokens=8)
+    edited = vm.edit(noop)
+    assert edited.loop is vm.loop                       # one loop steps the engine, whichever copy submits
+    assert edited.engine("generate").model is edited    # the copy's jobs run with the copy's envoys
+    gen = edited.generate(PROMPTS[0], until_step_2, max_new_tokens=8)
+    assert plain.stopped and gen.stopped and gen.result == "left"
+    assert gen.tokens.tolist() == plain.tokens.tolist() and len(gen.tokens) < 8
+
+
 # ----------------------------------------------------------------------------- control and errors
 
 
@@ -435,6 +456,33 @@ def test_invoke_cancel_aborts_only_that_request(vm, clean_engine):
     with pytest.raises(ai.RunCancelled):
         a.result
     assert len(a.tokens) < 5 and len(b.tokens) == 5
+
+
+def test_an_invoke_cancelled_before_its_job_starts_never_runs(vm, clean_engine):
+    async def read(m):
+        return (await m.logits).argmax().item()
+
+    with vm.generate(max_new_tokens=3) as run:
+        a = run.invoke(PROMPTS[0], read)
+        b = run.invoke(PROMPTS[1], read)
+        a.cancel()
+    with pytest.raises(ai.RunCancelled):
+        a.result
+    assert len(a.tokens) == 0 and len(b.tokens) == 3 and b.result == b.tokens[0].item()
+
+
+def test_a_plain_job_runs_as_a_built_trace_does(vm, clean_engine):
+    """A job is a value: submitted as it is (no result carriers), the engine makes them; same tokens."""
+    job = ai.Job((ai.InvokeSpec(PROMPTS[0]), ai.InvokeSpec(PROMPTS[1], options={"max_new_tokens": 2})),
+                 "generate", generation={"max_new_tokens": 4})
+    live = vm.submit(job)
+    live.wait()
+    a, b = live.output
+    assert a.token_ids == _greedy(vm, prompts=PROMPTS[:1], n=4)[0][0] and len(b.token_ids) == 2
+    assert a.result is None and not live.stopped and live.layout is None
+    live.wait()                                   # waiting again for a finished job returns at once
+    with pytest.raises(RuntimeError, match="already submitted"):
+        live.submit()
 
 
 def test_atrace_and_cancellation(vm, clean_engine):
@@ -499,7 +547,7 @@ def test_cleanup_over_many_runs(vm):
             pass
     gc.collect()
     assert _hooks(vm) == 0
-    assert not vm.engine.has_unfinished_requests()
+    assert not vm.llm_engine.has_unfinished_requests()
     assert sum(r() is not None for r in refs) == 0
 
 

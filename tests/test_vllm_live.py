@@ -116,9 +116,9 @@ def test_stream_matches_generate_and_leaving_early_aborts(vm):
     got, done = anyio.run(main)
     assert got == full.token_ids == done.token_ids and done.text == full.text
     deadline = time.monotonic() + 10
-    while vm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+    while vm.llm_engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not vm.engine.has_unfinished_requests()
+    assert not vm.llm_engine.has_unfinished_requests()
 
 
 def _hf_logprobs(hf, ids):

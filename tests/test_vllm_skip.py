@@ -27,10 +27,10 @@ PROMPTS = ["The quick brown fox jumps", "Hello world, this is", "Once upon a tim
 def vm(engines):
     vm = engines[1]
     yield vm
-    runner = vm.engine.model_executor.driver_worker.worker.model_runner
+    runner = vm.llm_engine.model_executor.driver_worker.worker.model_runner
     mods = list(runner.model.modules()) + [runner.sampler]
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in mods) == 0, "a run left hooks"
-    assert not vm.engine.has_unfinished_requests(), "a run left requests in the engine"
+    assert not vm.llm_engine.has_unfinished_requests(), "a run left requests in the engine"
 
 
 def _new_stream(x):

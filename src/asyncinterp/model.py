@@ -99,7 +99,7 @@ class Model(Envoy):
             raise ValueError(f"a wrapped {type(self.module).__name__} runs only traces (one forward pass); "
                              "generation needs a LanguageModel or VLLM")
         engine = self._engine
-        if engine is None:
+        if engine is None or engine.model is not self:   # (a copy made by model.edit gets its own)
             engine = ForwardEngine(self)
             object.__setattr__(self, "_engine", engine)
         return engine

@@ -554,18 +554,21 @@ class Batcher(aio.Closable):
                                   f"{self.max_queue + self.max_batch}); try again later")
         req.start()
         try:
+            # the job is built once, with everything up front: m.stop() ends this request only, the request
+            # table for serve.emit and the listener that hears its tokens are part of it when it is frozen
             if req.kind == "generate":
-                run = model.generate(max_new_tokens=req.max_new_tokens, on_error="continue", **req.gen)
+                trace = Trace(model, "generate", "continue", stop_per_invoke=True,
+                              generation=dict(req.gen, max_new_tokens=req.max_new_tokens))
             else:
-                run = model.trace(on_error="continue")
-            run.context[REQUESTS] = {0: req}
-            run.stop_per_invoke = True
-            inv = run.invoke(req.input, *req.fns, **req.kwargs)
+                trace = Trace(model, "trace", "continue", stop_per_invoke=True)
+            trace.listener = _LiveListener(self, req)
+            inv = trace.invoke(req.input, *req.fns, **req.kwargs)
+            trace.context[REQUESTS] = {inv.index: req}
+            req.tokens = [inv.token_ids]      # the engine appends to it step by step
+            run = trace.start()               # the job, frozen (nothing runs until it is submitted)
         except Exception as exc:  # noqa: BLE001 - this request's input or intervention is invalid
             req.deliver(False, exc)
             return
-        req.tokens = [inv.token_ids]      # the engine appends to it step by step
-        run.listener = _LiveListener(self, req)
         with self._cond:
             self._running.add(run)
             running = len(self._running)
@@ -573,7 +576,7 @@ class Batcher(aio.Closable):
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], running)   # most runs in the engine at once
         req.attach(inv)
         try:
-            model.submit(run)
+            model.submit(trace)
         except Exception as exc:  # noqa: BLE001 - e.g. the engine was closed
             with self._cond:
                 self._running.discard(run)

@@ -27,7 +27,7 @@ from ..hooks.envoy import Envoy
 from ..job import check_intervention, is_async_fn
 from ..kernel.traps import PointTrap
 
-__all__ = ["edit", "edit_invoke", "remove_edits"]
+__all__ = ["clone", "edit", "remove_edits"]
 
 
 def _check(fn):

@@ -90,7 +90,7 @@ class LanguageModel(GeneratingModel, Model):
     def engine(self, kind: str = "trace"):
         """The engine of this model's jobs of ``kind``: ``"trace"`` (one padded forward) or ``"generate"``."""
         engines = self._engines
-        if engines is None:
+        if engines is None or engines["trace"].model is not self:   # (a copy made by model.edit gets its own)
             engines = {"trace": LMForwardEngine(self), "generate": LMGenerateEngine(self)}
             object.__setattr__(self, "_engines", engines)
         try:

@@ -1,11 +1,13 @@
-"""vLLM in process: the driver (``VLLM``), the worker-side run, the flat token layout and tensor parallelism.
+"""vLLM in process: the driver (``VLLM``), its engine and live jobs, the worker-side run, the flat token layout and TP.
 
-``driver`` is what users touch (``ai.VLLM``); ``worker`` is the run that lives
-with the model (in process, or in each tensor-parallel worker); ``layout``
-slices vLLM's flat ``[tokens, hidden]`` batch per request; ``tp`` gathers and
+``driver`` is what users touch (``ai.VLLM``); ``engine`` checks invokes and
+makes their results (``VLLMInvoke``); ``jobs`` is a job in the live engine
+loop (``LiveJob``, stepped by ``loop``); ``worker`` is the run that lives with
+the model (in process, or in each tensor-parallel worker); ``layout`` slices
+vLLM's flat ``[tokens, hidden]`` batch per request; ``tp`` gathers and
 re-shards tensor-parallel values.
 """
 
-from .driver import VLLM, VLLMInvoke, VLLMRun, HooksUnavailableError
+from .driver import VLLM, VLLMEngine, VLLMInvoke, VLLMRun, LiveJob, HooksUnavailableError
 
-__all__ = ["VLLM", "VLLMInvoke", "VLLMRun", "HooksUnavailableError"]
+__all__ = ["VLLM", "VLLMEngine", "VLLMInvoke", "VLLMRun", "LiveJob", "HooksUnavailableError"]

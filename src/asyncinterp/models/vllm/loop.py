@@ -10,7 +10,7 @@ its own busy loop and offers no "between two steps" point to do that; with
 ``LLMEngine.step()`` in our own loop each of those points is just a line of
 code. The loop is the only caller of ``engine.step()``.
 
-A *job* is a :class:`~.driver.VLLMRun` (one or more invokes, each a vLLM
+A *job* is a :class:`~.jobs.LiveJob` (one or more invokes, each a vLLM
 request). The loop, between two steps:
 
 1. admits the jobs submitted meanwhile (adds their requests, opens their
@@ -46,7 +46,7 @@ class EngineLoop:
 
     def __init__(self, model):
         self.model = model
-        self.engine = model.engine
+        self.engine = model.llm_engine
         self.cond = threading.Condition()
         self.inbox = []              # jobs submitted, not admitted yet
         self.jobs = []               # admitted, unfinished jobs, in admission order

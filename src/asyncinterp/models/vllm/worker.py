@@ -13,8 +13,10 @@ A run on the worker side (:class:`WorkerRun`) spans the engine steps of one
 job of the live engine loop (see :mod:`.loop`); several runs are open at once,
 each over its own requests, each keyed by the job's key:
 
-* ``open`` (one RPC between two steps, before the run's first step) spawns the
-  tasks and lets them run to their first await, which installs hooks lazily;
+* ``open`` (one RPC between two steps, before the run's first step) makes the
+  run's job from what the driver sent (each invoke's request and
+  interventions, and the job's options), spawns the tasks and lets them run
+  to their first await, which installs hooks lazily;
 * a pre-hook on the top-level model marks each engine step: it re-reads the
   runner's request order and query offsets into the :class:`FlatLayout`,
   ends the invokes whose request has finished (``Kernel.end_group``: their
@@ -41,6 +43,8 @@ import torch
 
 from ...hooks.envoy import Envoy, HookPoint
 from ...hooks.modules import submodules
+from ...invoke import Invoke
+from ...job import InvokeSpec, Job, frozen_mapping
 from ...kernel.errors import NotInRunError, ReplacementError
 from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
@@ -205,7 +209,7 @@ def find_layers(module) -> list:
 
 
 class Outcome:
-    """What became of one task (sent back to the driver): enough for ``Invoke.result``."""
+    """What became of one task, sent back to the driver, where ``VLLMInvoke.value`` reads it (picklable)."""
 
     __slots__ = ("name", "done", "closed", "result", "exc")
 
@@ -218,16 +222,26 @@ class Outcome:
 
 
 class WorkerRun(Run):
-    """A run on the model's side, spanning the engine steps of one ``trace``/``generate``."""
+    """A run on the model's side, spanning the engine steps of one ``trace``/``generate``.
 
-    def __init__(self, session, on_error: str = "stop"):
-        Run.__init__(self, session.root, layout=FlatLayout(), on_error=on_error)
+    ``job``: the job as the worker knows it (:func:`worker_job`); ``requests``: per invoke, the
+    engine's id of its request, or ``None`` for an invoke that sees every request of the job.
+    """
+
+    def __init__(self, session, job, requests):
+        Run.__init__(self, session.root, job, FlatLayout())
         self.session = session
         self.runner = session.runner
         self.request_layout = FlatLayout(per_request=True)
         self.req_groups = {}      # internal request id -> invoke group
         self.group_reqs = {}
         self.whole = set()        # invoke groups without a request (see every request)
+        for index, rid in enumerate(requests):
+            if rid is None:
+                self.whole.add(index)
+            else:
+                self.req_groups[rid] = index
+                self.group_reqs[index] = rid
         self.started = set()      # request ids seen by the runner
         self.left = set()         # invoke groups whose request has finished
         self.halted = False
@@ -241,15 +255,8 @@ class WorkerRun(Run):
         self._ranked[self.runner.sampler] = 2
 
     # ----------------------------------------------------------------- opening
-    def open(self, invokes) -> None:
-        """``invokes``: ``[(request id or None, [fn, ...]), ...]`` in invoke order. Starts the tasks."""
-        for rid, fns in invokes:
-            inv = self.invoke(None, *fns)
-            if rid is None:
-                self.whole.add(inv.index)
-            else:
-                self.req_groups[rid] = inv.index
-                self.group_reqs[inv.index] = rid
+    def open(self) -> None:
+        """Install the per-step hook and start the tasks (they run to their first await)."""
         model = self.runner.model
         self.stepping = True
         self.on_cleanup(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
@@ -465,16 +472,15 @@ class WorkerSession:
                 return None
         return None if tok is None else tok.decode(ids, skip_special_tokens=True)
 
-    def open(self, key, on_error, invokes, extras=None) -> "WorkerRun":
+    def open(self, key, options, invokes) -> "WorkerRun":
+        """Open run ``key`` (see :func:`rpc_open`) and start its tasks."""
         if key in self.runs:
             raise RuntimeError(f"a run with key {key!r} is already open on this worker")
-        run = WorkerRun(self, on_error=on_error)
-        for k, v in (extras or {}).items():
-            setattr(run, k, v)
+        run = WorkerRun(self, worker_job(options, invokes), [rid for rid, _, _ in invokes])
         run.context.setdefault(EVENTS, [])
         self.runs[key] = run
         try:
-            run.open(invokes)
+            run.open()
         except BaseException:
             self.runs.pop(key, None)
             raise
@@ -529,14 +535,23 @@ def _load(payload):
     return payload
 
 
-def rpc_open(worker, key, on_error: str, payload, extras=None):
-    """Open run ``key``: ``payload`` is ``[(request id or None, [fn, ...]), ...]`` (cloudpickled bytes under TP).
+def rpc_open(worker, key, options: dict, payload):
+    """Open run ``key``: ``payload`` is ``[(request id or None, (fn, ...), background), ...]`` in invoke order
+    (cloudpickled bytes under TP).
 
-    ``extras``: attributes set on the run before its tasks start (in process: the driver run's
-    ``context``, which holds e.g. the serving batcher's request table that ``serve.emit`` looks up).
+    ``options``: the job's ``kind``, ``on_error`` and ``stop_per_invoke``, and in process its ``context`` (which
+    holds e.g. the serving batcher's request table that ``serve.emit`` looks up).
     """
-    worker.asyncinterp_session.open(key, on_error, _load(payload), extras)
+    worker.asyncinterp_session.open(key, options, _load(payload))
     return None
+
+
+def worker_job(options: dict, invokes) -> Job:
+    """The job of a worker run: one invoke per ``(request id, fns, background)``, no inputs (the engine has them)."""
+    specs = tuple(InvokeSpec(None, tuple(fns), background=background) for _, fns, background in invokes)
+    return Job(specs, options.get("kind", "generate"), options.get("on_error", "stop"),
+               bool(options.get("stop_per_invoke")), context=frozen_mapping(options.get("context")),
+               results=tuple(Invoke(i, spec) for i, spec in enumerate(specs)))
 
 
 def rpc_poll(worker, keys):
