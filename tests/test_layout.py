@@ -99,6 +99,10 @@ def test_old_import_paths_of_moved_modules_still_work():
     # names that moved out of a module stay importable from it
     from asyncinterp.model import Trace
     from asyncinterp.run import Invoke, LateBindingError, RunStopped, StaleEditWarning, check_intervention, is_async_fn
+    # importing an old module name never shadows a package name it shares (ai.cache and ai.scan are functions)
+    import asyncinterp.cache
+    import asyncinterp.scan
+    assert callable(asyncinterp.cache) and callable(asyncinterp.scan) and not isinstance(asyncinterp.scan, type(importlib))
     from asyncinterp.serve.supervisor import Job, Pool, WorkerFailure
     assert Trace is asyncinterp.Trace and Invoke is asyncinterp.Invoke and Job.__name__ == "Ticket"
 

@@ -74,6 +74,16 @@ _FINDER = _MovedFinder()
 
 
 def install() -> None:
-    """Put the finder on ``sys.meta_path`` (once)."""
+    """Put the finder on ``sys.meta_path`` (once), and enter the old names of modules already imported.
+
+    Entering those at once matters where the package holds a name that is also an old module's
+    (``asyncinterp.cache`` is the function ``ai.cache``, and was the module ``cache.py``): an import
+    found in ``sys.modules`` leaves the package's attribute alone, while one made by a finder would
+    overwrite it with the module.
+    """
+    for old, new in MOVED.items():
+        module = sys.modules.get(new)
+        if module is not None:
+            sys.modules.setdefault(old, module)
     if _FINDER not in sys.meta_path:
         sys.meta_path.append(_FINDER)

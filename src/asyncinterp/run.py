@@ -20,7 +20,6 @@ from .kernel.errors import (
     MissedHookPoint,
     NotInRunError,
     OutOfOrderError,
-    ReplacementError,
     RunCancelled,
     await_site,
 )
@@ -29,16 +28,13 @@ from .hooks.modules import (
     instance_forward,
     set_instance_forward,
     submodules,
-    tensor_version,
 )
 from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
 from .hooks.firing import Firing, StaleEditWarning, StaleWatch
 from .hooks.views import WHOLE_BATCH, Layout
 from .invoke import Invoke, RunStopped, forgotten_await
 from .job import LateBindingError, check_intervention, is_async_fn
-from .kernel.futures import Future
 from .kernel.scheduler import Kernel, callable_name, current_task
-from .kernel.traps import PointTrap
 
 # Invoke, RunStopped, LateBindingError, check_intervention and is_async_fn lived here before jobs: still importable
 __all__ = ["EVENTS", "Firing", "Invoke", "LateBindingError", "Run", "RunStopped", "StaleEditWarning", "StopForward",
