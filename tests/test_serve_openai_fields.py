@@ -148,6 +148,14 @@ def test_chat_takes_the_same_fields(client, lm):
                                               max_tokens=4, temperature=0, logit_bias={str(tid): 100},
                                               extra_body={"min_tokens": 2})
         assert resp.choices[0].message.content == lm.tokenizer.decode([tid] * 4)
+        url = client.base_url.__str__().removesuffix("/v1/")
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        got = httpx.post(url + "/tokenize", json={"messages": messages}, headers=AUTH).json()
+        want = lm.tokenizer(lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)["input_ids"]
+        assert got["tokens"] == want and got["count"] == len(want)
+        refused = httpx.post(url + "/tokenize", json={"messages": messages, "tools": []}, headers=AUTH)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
     finally:
         lm.tokenizer.chat_template = None
 
@@ -205,17 +213,31 @@ def test_metrics_count_the_requests_exactly(hf_live, client):
     assert ("asyncinterp_sandbox_refusals_total", ()) in after and ("asyncinterp_budget_cuts_total", ()) in after
 
 
+SPIN = """
+async def f(m):
+    h = await m.transformer.h[0].output
+    i = 0
+    while True:
+        i += 1
+"""
+
+
 def test_metrics_count_refusals_and_budget_cuts(lm):
     """A second server (its own registry: no collision with the first's counters)."""
-    srv = Live(Server(lm, api_keys=[KEY], name="tiny", max_wait_ms=2, timeout=60))
+    srv = Live(Server(lm, api_keys=[KEY], name="tiny", max_wait_ms=2, timeout=60, allow_code=True,
+                      code_budget=0.3))
     try:
         with openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
-            with pytest.raises(openai.BadRequestError):
-                complete(c, asyncinterp={"code": "async def f(m):\n    return 1\n"})   # code not allowed
+            with pytest.raises(openai.BadRequestError):            # the sandbox refuses an import
+                complete(c, asyncinterp={"code": "import os\nasync def f(m):\n    return 1\n"})
+            with pytest.raises(openai.InternalServerError) as err:   # 504: past its compute budget
+                complete(c, asyncinterp={"code": SPIN})
+            assert err.value.status_code == 504
         after = scrape(srv.url)
         assert after[("asyncinterp_sandbox_refusals_total", ())] == 1
+        assert after[("asyncinterp_budget_cuts_total", ())] == 1
         assert after[("asyncinterp_requests_total", (("endpoint", "completions"), ("status", "400")))] == 1
-        assert after[("asyncinterp_budget_cuts_total", ())] == 0
+        assert after[("asyncinterp_requests_total", (("endpoint", "completions"), ("status", "504")))] == 1
     finally:
         srv.close()
 
