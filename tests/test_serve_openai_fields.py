@@ -242,6 +242,22 @@ def test_metrics_count_refusals_and_budget_cuts(lm):
         srv.close()
 
 
+def test_fields_reach_supervised_worker_processes(client, lm):
+    """With process isolation the fields travel to the worker and give the same answers as in-process."""
+    srv = Live(Server(lm, api_keys=[KEY], name="tiny", max_wait_ms=2, timeout=60, isolation="process"))
+    eos = lm.tokenizer.eos_token_id
+    cases = [{"frequency_penalty": 2.0, "stop_token_ids": [int(lm.generate(PROMPT, max_new_tokens=4,
+                                                                          frequency_penalty=2.0).tokens[3])]},
+             {"logit_bias": {str(eos): 100}, "min_tokens": 3}, {"repetition_penalty": 1.8, "presence_penalty": 1.0}]
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+            for fields in cases:
+                assert complete(c, **fields) == complete(client, **fields), fields
+        assert scrape(srv.url)[("asyncinterp_worker_restarts_total", ())] == 0
+    finally:
+        srv.close()
+
+
 # ----------------------------------------------------------------------------- vLLM engine
 VLLM_PROMPT = "The quick brown fox jumps"
 

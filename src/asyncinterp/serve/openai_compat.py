@@ -11,8 +11,10 @@ request body::
 This module only translates. A request body becomes a prompt (chat messages
 through the tokenizer's chat template), engine-neutral generation keywords
 (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``:
-both ``LanguageModel.generate`` and ``VLLM.generate`` take them) and the
-server's native intervention spec; a :class:`~.batcher.GenerateResult`, or the
+both ``LanguageModel.generate`` and ``VLLM.generate`` take them), vLLM's
+extra sampling fields (checked by :mod:`.sampling_fields`, handed to each
+engine in its words by the server's engine front) and the server's native
+intervention spec; a :class:`~.batcher.GenerateResult`, or the
 batcher's event stream, becomes OpenAI's JSON answer or its server-sent
 events, with the intervention's result (and its ``emit`` values) in an
 ``asyncinterp`` field. The checks, limits, sandbox, batching, authentication
