@@ -213,6 +213,27 @@ def test_metrics_count_the_requests_exactly(hf_live, client):
     assert ("asyncinterp_sandbox_refusals_total", ()) in after and ("asyncinterp_budget_cuts_total", ()) in after
 
 
+def test_metrics_scraped_during_a_load_run(hf_live, client):
+    """Concurrent requests while /metrics is scraped: every scrape parses, the counter never goes back, and it
+    ends moved by exactly the number of requests."""
+    import concurrent.futures
+    key = ("asyncinterp_requests_total", (("endpoint", "chat.completions"), ("status", "400")))
+    ok = ("asyncinterp_requests_total", (("endpoint", "completions"), ("status", "200")))
+    before = scrape(hf_live.url)
+    n = 12
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        jobs = [pool.submit(complete, client, prompt=f"{PROMPT} {i}", max_tokens=6) for i in range(n)]
+        seen = []
+        while not all(j.done() for j in jobs):
+            seen.append(scrape(hf_live.url).get(ok, 0))
+        for j in jobs:
+            j.result()
+    after = scrape(hf_live.url)
+    assert seen == sorted(seen) and after[ok] - before.get(ok, 0) == n
+    assert after.get(key, 0) == before.get(key, 0)
+    assert after[("asyncinterp_queue_depth", ())] == 0
+
+
 SPIN = """
 async def f(m):
     h = await m.transformer.h[0].output
