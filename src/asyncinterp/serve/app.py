@@ -17,8 +17,12 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
   ``{"ok": true, "result", "tokens", "text", "emitted"}``, or with ``"stream": true`` a stream of
   msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
-  (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`), the intervention in an
-  ``asyncinterp`` field, with the same checks, limits, sandbox and batching as the native endpoints.
+  (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`, vLLM's sampling fields in
+  :mod:`.sampling_fields`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
+  sandbox and batching as the native endpoints;
+* ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` — vLLM's (shapes in :mod:`.tokenize_api`);
+* ``GET /metrics`` — Prometheus text (:mod:`.metrics`): requests by endpoint and status, sandbox refusals,
+  budget cuts, queue depth, worker restarts, and vLLM's own metrics when it records any.
 
 ``intervention`` is a registered name, ``{"name", "params"}``, or (only when
 the server allows code) ``{"source", "entry"?, "params"}``.
@@ -52,9 +56,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import errors, openai_compat, wire
+from . import errors, openai_compat, tokenize_api, wire
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
+from .metrics import ServerMetrics
 from .errors import RequestFailed
 from .params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401 (re-exported)
 from .sandbox import ProgramCache, SandboxRefused, SandboxTimeout
@@ -80,7 +85,8 @@ def _openai_error_response(fail: RequestFailed):
                         errors.openai_headers(fail.status, fail.headers))
 
 
-_OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
+                 "/metrics")
 
 
 def is_loopback(host: str) -> bool:
@@ -164,6 +170,7 @@ class Server:
                                  max_queue=max_queue, exact=exact, name=f"serve-{self.name}")
         self.batcher = batcher or Batcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                           exact=exact, name=f"serve-{self.name}")
+        self.metrics = ServerMetrics(self.batcher, vllm=self.front.kind == "vllm")   # this server's own registry
         self.interventions: dict[str, Registered] = {}
         self.programs = ProgramCache()
         self._app = None
@@ -203,6 +210,10 @@ class Server:
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/detokenize", self._detokenize, methods=["POST"]),
+            Route("/version", self._version, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
         ]
 
         async def http_error(request, exc):
@@ -384,10 +395,11 @@ class Server:
             raise RequestFailed("request",
                                 f"unknown field(s) {[short_repr(k) for k in extra]}; allowed: {sorted(allowed)}")
 
-    async def _guarded(self, request, kind, work, render=_error_response):
-        """Auth, logging and error mapping around one endpoint; ``work()`` returns a Response.
+    async def _guarded(self, request, kind, work, render=_error_response, count=True):
+        """Auth, logging, counting and error mapping around one endpoint; ``work()`` returns a Response.
 
-        ``render(fail)``: the error response (msgpack for the native endpoints, OpenAI's JSON for theirs).
+        ``render(fail)``: the error response (msgpack for the native endpoints, OpenAI's JSON for theirs);
+        ``count``: whether the request counts in ``/metrics`` (a scrape does not count itself, as in vLLM).
         """
         t0 = time.perf_counter()
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
@@ -418,6 +430,8 @@ class Server:
         fields["status"] = status
         fields["ms"] = round(1000 * (time.perf_counter() - t0), 2)
         response.headers["x-request-id"] = rid[:64]
+        if count:
+            self.metrics.answered(kind, status, fields.get("error_kind"))
         log.info(kind, extra={"fields": fields})
         return response
 
@@ -566,6 +580,57 @@ class Server:
             return JSONResponse(openai_compat.models_list(self.name, self.started))
         return await self._guarded(request, "models", work, _openai_error_response)
 
+    # ------------------------------------------------------------------ vLLM's extra endpoints
+    def _plain_body(self, body):
+        """A JSON body of vLLM's extra endpoints, or the request's 400/404 as an OpenAI error."""
+        try:
+            obj = openai_compat.decode_body(body)
+            tokenize_api.check_model(obj, self.name)
+        except BadRequest as exc:
+            raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
+        except LookupError as exc:
+            raise RequestFailed("not_found", f"{exc} (GET /v1/models)", param="model") from None
+        return obj
+
+    def _tokenizer(self):
+        tok = getattr(self.model, "tokenizer", None)
+        if not self.is_lm or tok is None:
+            raise RequestFailed("request", "this model has no tokenizer (it is not a language model)")
+        return tok
+
+    async def _tokenize(self, request):
+        async def work(fields):
+            tok = self._tokenizer()
+            obj = self._plain_body(await self._read_body(request))
+            try:
+                out = tokenize_api.tokenize(obj, tok, self.front.context_length or self.max_prompt_tokens,
+                                            openai_compat.check_messages)
+            except BadRequest as exc:
+                raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
+            return JSONResponse(out)
+        return await self._guarded(request, "tokenize", work, _openai_error_response)
+
+    async def _detokenize(self, request):
+        async def work(fields):
+            tok = self._tokenizer()
+            obj = self._plain_body(await self._read_body(request))
+            try:
+                out = tokenize_api.detokenize(obj, tok, self.front.vocab_size())
+            except BadRequest as exc:
+                raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
+            return JSONResponse(out)
+        return await self._guarded(request, "detokenize", work, _openai_error_response)
+
+    async def _version(self, request):
+        async def work(fields):
+            return JSONResponse(tokenize_api.version(self.front.kind))
+        return await self._guarded(request, "version", work, _openai_error_response)
+
+    async def _metrics(self, request):
+        async def work(fields):
+            return Response(self.metrics.render(), media_type=self.metrics.content_type)
+        return await self._guarded(request, "metrics", work, _openai_error_response, count=False)
+
     async def _openai(self, request, kind, fields):
         """One OpenAI request: its shapes come from :mod:`.openai_compat`; input, intervention, limits, batching
         and errors go through the same methods as ``/v1/generate``."""
@@ -573,7 +638,8 @@ class Server:
             raise RequestFailed("request", "this model does not generate (it is not a language model)")
         try:
             req = openai_compat.parse_request(kind, openai_compat.decode_body(await self._read_body(request)),
-                                              self.interventions)
+                                              self.interventions, self.front.vocab_size())
+            engine_options = self.front.sampling_options(req.fields)   # refuses what this engine cannot honour
             if req.model != self.name:
                 raise RequestFailed("not_found", f"the model {req.model!r} does not exist here; this server serves "
                                             f"{self.name!r} (GET /v1/models)", param="model")
@@ -601,8 +667,9 @@ class Server:
         fns = (fn,) if fn is not None else ()
         x = self.front.generation_input(x, req.cache_salt)
         shaper = openai_compat.Shaper(req, n, length, self.front.eos_ids(), fn is not None,
-                                      self.prompt_tokens_details)
-        options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter, **req.generate)
+                                      self.prompt_tokens_details, self.model.tokenizer)
+        options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
+                       **{**req.generate, **engine_options})
         if req.stream:
             try:
                 events = self.batcher.stream_generate(x, *fns, **options)
@@ -612,8 +679,11 @@ class Server:
 
             async def body():
                 yield shaper.start()
-                chunks = self._stream(events, shaper.event, lambda fail: shaper.error(
-                    openai_compat.error_body(fail.status, fail.error, fail.param)), end_on_error=True)
+                def stream_error(fail):
+                    self.metrics.failed(fail.kind)     # the answer's status was 200; its failure still counts
+                    return shaper.error(openai_compat.error_body(fail.status, fail.error, fail.param))
+
+                chunks = self._stream(events, shaper.event, stream_error, end_on_error=True)
                 async with contextlib.aclosing(chunks):    # closed (the request cancelled) when the client leaves
                     async for chunk in chunks:
                         yield chunk

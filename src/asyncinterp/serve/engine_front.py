@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..models.generating import eos_ids
+from . import sampling_fields
 from .batcher import is_live_engine
 
 
@@ -78,6 +79,11 @@ class EngineFront:
         """Why a worker process forked from the server could not serve this model (``None``: it can)."""
         return None
 
+    def sampling_options(self, fields: dict) -> dict:
+        """Generation keywords for a request's vLLM sampling fields (:mod:`.sampling_fields`); ``BadRequest``
+        for one this engine cannot honour. transformers: its own options and logits processors."""
+        return sampling_fields.transformers_options(fields, self.eos_ids())
+
 
 class VLLMFront(EngineFront):
     """``ai.VLLM``: a live engine that takes requests while it runs and keeps a prefix cache."""
@@ -100,6 +106,10 @@ class VLLMFront(EngineFront):
             return prompt
         ids = prompt if isinstance(prompt, list) else list(self.model.tokenizer(prompt)["input_ids"])
         return {"prompt_token_ids": ids, "cache_salt": cache_salt}
+
+    def sampling_options(self, fields: dict) -> dict:
+        # vLLM's own SamplingParams fields, per request
+        return sampling_fields.vllm_options(fields)
 
     def fork_refusal(self) -> str | None:
         return ("process isolation does not support vLLM engines (they own threads and processes that a fork "

@@ -11,8 +11,10 @@ request body::
 This module only translates. A request body becomes a prompt (chat messages
 through the tokenizer's chat template), engine-neutral generation keywords
 (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``:
-both ``LanguageModel.generate`` and ``VLLM.generate`` take them) and the
-server's native intervention spec; a :class:`~.batcher.GenerateResult`, or the
+both ``LanguageModel.generate`` and ``VLLM.generate`` take them), vLLM's
+extra sampling fields (checked by :mod:`.sampling_fields`, handed to each
+engine in its words by the server's engine front) and the server's native
+intervention spec; a :class:`~.batcher.GenerateResult`, or the
 batcher's event stream, becomes OpenAI's JSON answer or its server-sent
 events, with the intervention's result (and its ``emit`` values) in an
 ``asyncinterp`` field. The checks, limits, sandbox, batching, authentication
@@ -34,6 +36,7 @@ import torch
 
 from ..models.generating import stop_hit
 from .errors import openai_type
+from . import sampling_fields
 from .params import BadRequest, short_repr
 from .wire import WireError
 
@@ -44,14 +47,13 @@ MAX_STOP_CHARS = 256
 # fields OpenAI defines that this server does not implement: accepted only at their neutral values
 _NEUTRAL = {
     "echo": (False, None), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,),
 }
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-           "cache_salt", EXT}
+           "cache_salt", EXT} | sampling_fields.FIELDS      # vLLM's sampling fields (see .sampling_fields)
 _FIELDS = {
     "completions": _COMMON | {"prompt"},
     "chat": _COMMON | {"messages", "max_completion_tokens"},
@@ -84,6 +86,7 @@ class OpenAIRequest:
     intervention: dict | None = None                # the server's native spec, or None
     timeout: float | None = None
     cache_salt: str | None = None                   # vLLM's prefix-cache salt (plain requests only, see docs)
+    fields: dict = field(default_factory=dict)      # vLLM's sampling fields that change anything (vLLM's names)
 
     @property
     def max_tokens_param(self) -> str:
@@ -103,8 +106,9 @@ def decode_body(body: bytes):
     return obj
 
 
-def parse_request(kind: str, obj: dict, registered: dict) -> OpenAIRequest:
-    """Check an OpenAI request body (``kind``: ``"completions"`` or ``"chat"``); ``registered``: name -> Registered."""
+def parse_request(kind: str, obj: dict, registered: dict, vocab: int = 1 << 31) -> OpenAIRequest:
+    """Check an OpenAI request body (``kind``: ``"completions"`` or ``"chat"``); ``registered``: name -> Registered;
+    ``vocab``: how many token ids the model has (token ids in ``logit_bias``/``stop_token_ids`` are checked)."""
     allowed = _FIELDS[kind]
     for key, value in obj.items():
         if key in allowed or key in _IGNORED:
@@ -134,6 +138,7 @@ def parse_request(kind: str, obj: dict, registered: dict) -> OpenAIRequest:
                    "server batches them together)", "n")
     req.stop = _stops(obj.get("stop"))
     req.generate = _sampling(obj)
+    req.fields = sampling_fields.parse(obj, vocab, req.max_tokens, greedy=not req.generate.get("do_sample"))
     if req.stop:
         req.generate["stop"] = list(req.stop)
     stream = obj.get("stream")
@@ -179,6 +184,11 @@ def _prompt(value):
         raise _bad("several prompts in one request are not supported: send one request per prompt (concurrent "
                    "requests share forward passes on the server)", "prompt")
     raise _bad("prompt must be a string or a list of token ids", "prompt")
+
+
+def check_messages(value) -> list:
+    """Chat ``messages`` checked and normalised (text content, OpenAI's roles); ``BadRequest`` otherwise."""
+    return _messages(value)
 
 
 def _messages(value):
@@ -363,11 +373,13 @@ def _emitted(items):
     return [{"step": e["step"], "value": to_json(e["value"])} for e in items]
 
 
-def cut_at_stop(text: str, stops) -> tuple:
-    """``(text before the first stop string, whether one was found)``."""
+def cut_at_stop(text: str, stops, include: bool = False) -> tuple:
+    """``(text before the first stop string, whether one was found)``; ``include``: keep the stop string
+    (vLLM's ``include_stop_str_in_output``)."""
     if not stops or not stop_hit(text, stops):
         return text, False
-    return text[:min(text.find(s) for s in stops if s in text)], True
+    at, stop = min((text.find(s), s) for s in stops if s in text)
+    return text[:at + len(stop)] if include else text[:at], True
 
 
 # --------------------------------------------------------------------------- answers
@@ -378,12 +390,27 @@ class Shaper:
     (a finish reason of ``"stop"``); ``extension``: whether to add the
     ``asyncinterp`` field (the request carried an intervention);
     ``details``: whether usage reports ``prompt_tokens_details.cached_tokens``
-    (when the engine counts them: vLLM).
+    (when the engine counts them: vLLM). ``tokenizer``: decodes the text
+    itself when the request's vLLM fields ask for other text than the
+    engine's (``stop_token_ids``, ``include_stop_str_in_output``,
+    ``skip_special_tokens=false``), as vLLM's detokenizer does: the answer
+    ends at the first stop token id (counted, its text left out unless
+    ``include_stop_str_in_output``), and with ``ignore_eos`` an
+    end-of-sequence token is not an end.
     """
 
     def __init__(self, req: OpenAIRequest, max_tokens: int, prompt_tokens: int, eos, extension: bool,
-                 details: bool = False):
+                 details: bool = False, tokenizer=None):
         self.req = req
+        fields = req.fields
+        self.stop_ids = frozenset(fields.get("stop_token_ids", ()))
+        self.include_stop = fields.get("include_stop_str_in_output", False)
+        self.skip_special = fields.get("skip_special_tokens", True)
+        self.decodes = tokenizer is not None and bool(
+            self.stop_ids or self.include_stop or not self.skip_special)
+        self.tokenizer = tokenizer
+        if fields.get("ignore_eos"):
+            eos = ()
         self.chat = req.kind == "chat"
         self.object = "chat.completion" if self.chat else "text_completion"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -406,8 +433,26 @@ class Shaper:
             return "stop"
         return "length"
 
+    def answer_tokens(self, tokens) -> tuple:
+        """``(tokens through the first stop token id, whether one ended them)``."""
+        tokens = list(tokens)
+        for i, t in enumerate(tokens):
+            if t in self.stop_ids:
+                return tokens[:i + 1], True
+        return tokens, False
+
+    def answer_text(self, tokens, text) -> tuple:
+        """``(tokens, text, whether a stop token id ended them)`` of an answer: the engine's ``text`` unless the
+        request's fields ask for text decoded here (see the class)."""
+        tokens, hit = self.answer_tokens(tokens)
+        if self.decodes:
+            ended = hit or (tokens and tokens[-1] in self.eos)
+            shown = tokens[:-1] if ended and not self.include_stop else tokens
+            text = self.tokenizer.decode(shown, skip_special_tokens=self.skip_special)
+        return tokens, text, hit
+
     def usage(self, g):
-        n_tokens = len(g.tokens)
+        n_tokens = len(self.answer_tokens(g.tokens)[0])
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": n_tokens,
                "total_tokens": self.prompt_tokens + n_tokens}
         cached = getattr(g, "cached_tokens", None)
@@ -420,9 +465,9 @@ class Shaper:
 
     def response(self, g) -> dict:
         """The non-streaming answer for a :class:`~.batcher.GenerateResult`."""
-        tokens = list(g.tokens)
-        text, hit = cut_at_stop(g.text, self.req.stop)
-        reason = self.finish_reason(tokens, hit)
+        tokens, text, hit_id = self.answer_text(g.tokens, g.text)
+        text, hit = cut_at_stop(text, self.req.stop, self.include_stop)
+        reason = self.finish_reason(tokens, hit or hit_id)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": reason}
@@ -484,12 +529,17 @@ class Shaper:
         self.tokens.append(ev["token"])
         if self.stopped:
             return b""
-        self.text += ev["text"]
-        return self._send(final=False)
+        if not self.decodes:
+            self.text += ev["text"]
+            return self._send(final=False)
+        _, self.text, hit_id = self.answer_text(self.tokens, "")
+        out = self._send(final=hit_id)
+        self.stopped = self.stopped or hit_id
+        return out
 
     def _send(self, final: bool) -> bytes:
         """Send what is safe: never a stop string, nor (until the end) a tail that may begin one."""
-        visible, hit = cut_at_stop(self.text, self.req.stop)
+        visible, hit = cut_at_stop(self.text, self.req.stop, self.include_stop)
         if hit:
             self.stopped = True
         elif not final:
@@ -509,10 +559,11 @@ class Shaper:
         out = []
         if not self.tokens and not self.text:
             self.tokens = list(g.tokens)   # no token events came (an engine that does not stream tokens)
-        self.text = g.text if g.text.startswith(self.text) else self.text
+        tokens, text, hit_id = self.answer_text(g.tokens, g.text)
+        self.text = text if text.startswith(self.text) else self.text
         out.append(self._send(final=True))
-        tokens = list(g.tokens)
-        _, hit = cut_at_stop(g.text, self.req.stop)
+        _, hit = cut_at_stop(text, self.req.stop)
+        hit = hit or hit_id
         extra = {EXT: self.ext(g)} if self.extension else {}
         out.append(self._chunk([self._piece(None if self.chat else "", reason=self.finish_reason(tokens, hit))],
                                **extra))

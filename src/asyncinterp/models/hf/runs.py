@@ -12,9 +12,11 @@ its prompt alone would produce. A generation also
   and ``m.tokens`` tap points (see :mod:`.taps`);
 * records the sequences after every step, so a stopped generation still
   returns what it produced;
-* takes two options beside transformers' own: ``stop`` (strings: a row ends
-  at the step whose token completes one of them, as in vLLM) and ``seed``
-  (sampling draws from a generator seeded for this run only).
+* takes options beside transformers' own: ``stop`` (strings: a row ends
+  at the step whose token completes one of them, as in vLLM), ``seed``
+  (sampling draws from a generator seeded for this run only) and
+  ``presence_penalty``/``frequency_penalty`` (vLLM's rule over the generated
+  tokens, see :mod:`.penalties`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ...run import Run
 from ..generating import Generated, GeneratedInvoke, check_stop, eos_ids, stop_hit
 from .inputs import build_batch, check_length, pad_id_of
 from .padding import PaddedLayout
+from .penalties import OutputPenalties
 from .taps import logits_processor, rank_of, stopping_criteria
 
 
@@ -211,6 +214,9 @@ class GenerateRun(LMRun):
         taps = lm.generation_points
         from transformers import LogitsProcessorList, StoppingCriteriaList
         processors = LogitsProcessorList(list(kw.pop("logits_processor", None) or []))
+        presence, frequency = kw.pop("presence_penalty", 0.0), kw.pop("frequency_penalty", 0.0)
+        if presence or frequency:
+            processors.append(OutputPenalties(batch.input_ids.shape[1], presence, frequency))
         processors.append(logits_processor(taps["logits"].envoy.module))
         criteria = StoppingCriteriaList(list(kw.pop("stopping_criteria", None) or []))
         criteria.append(stopping_criteria(taps["tokens"].envoy.module, self._record))
