@@ -314,15 +314,6 @@ def vllm_reference(vm, prompt, max_tokens=8, **fields):
     return out.text, len(out.token_ids), out.finish_reason
 
 
-def require_vllm_driver(vm):
-    """Skip, saying why, while ``ai.VLLM`` cannot generate (main's vLLM driver is not yet adapted to the
-    Job/engine refactor, commit 449ec66: ``VLLM.generate`` raises ``'LLMEngine' object is not callable``)."""
-    try:
-        vm.generate(VLLM_PROMPT, max_new_tokens=1)
-    except TypeError as exc:
-        pytest.skip(f"ai.VLLM cannot generate on this branch ({exc}); the vLLM driver is being adapted")
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("fields", [
     {}, {"min_tokens": 3, "logit_bias": {"EOS": 100}}, {"logit_bias": {"FIRST": 100}},
@@ -360,7 +351,6 @@ def vllm_reference_ids(vm, **fields):
 @pytest.mark.vllm
 def test_vllm_fields_mean_what_vllm_says_and_equal_transformers(vllm_pair):
     vm, v_srv, vc, hc = vllm_pair
-    require_vllm_driver(vm)
     tok = vm.tokenizer
     eos = tok.eos_token_id
     plain = complete(vc, prompt=VLLM_PROMPT, max_tokens=10)
@@ -402,7 +392,6 @@ def test_vllm_extra_endpoints_and_metrics(vllm_pair):
     assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == vm.max_model_len
     assert httpx.post(url + "/detokenize", json={"tokens": ids}, headers=AUTH).json() == {
         "prompt": vm.tokenizer.decode(ids)}
-    require_vllm_driver(vm)
     before = scrape(url)
     ok = ("asyncinterp_requests_total", (("endpoint", "completions"), ("status", "200")))
     for _ in range(4):
@@ -416,7 +405,7 @@ def test_vllm_engine_options_are_sampling_params(tiny_dir):
     (the path the engine takes: ``run.invoke(prompt, **options)`` -> ``SamplingParams(**options)``)."""
     from vllm import SamplingParams
 
-    from asyncinterp.models.vllm.driver import _sampling_kwargs
+    from asyncinterp.models.vllm.requests import sampling_kwargs as _sampling_kwargs
     from asyncinterp.serve import openai_compat
     from asyncinterp.serve.engine_front import VLLMFront
     body = {"model": "m", "prompt": "x", "max_tokens": 8, "temperature": 0.7, "seed": 3, "top_k": 5, "min_p": 0.1,
