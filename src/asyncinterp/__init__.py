@@ -55,6 +55,9 @@ def __getattr__(name):
     if name in ("LanguageModel", "Generation"):
         from .models.hf import language, runs
         return getattr(language, name, None) or getattr(runs, name)
+    if name in ("DiffusionModel", "DiffusionInvoke"):  # needs diffusers: imported on first use only
+        from .models import diffusion
+        return getattr(diffusion, name)
     if name == "VLLM":  # needs vllm: imported on first use only
         from .models.vllm import VLLM
         return VLLM
