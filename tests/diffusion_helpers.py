@@ -25,6 +25,15 @@ def _vae():
                          sample_size=8)
 
 
+def _ready(pipe):
+    """Eval mode (modules built in code start in training mode: T5's dropout would make runs random)."""
+    for comp in pipe.components.values():
+        if isinstance(comp, torch.nn.Module):
+            comp.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def tiny_sd(seed: int = 0):
     """A ``StableDiffusionPipeline``: UNet (2 blocks), 1-level VAE, 2-layer CLIP text encoder; 8x8 images."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
@@ -42,8 +51,7 @@ def tiny_sd(seed: int = 0):
                           clip_sample=False, set_alpha_to_one=False, steps_offset=1)
     pipe = StableDiffusionPipeline(vae=_vae(), text_encoder=text, tokenizer=tok, unet=unet, scheduler=sched,
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return _ready(pipe)
 
 
 def tiny_pixart(seed: int = 0):
@@ -61,5 +69,4 @@ def tiny_pixart(seed: int = 0):
     sched = DDIMScheduler(clip_sample=False)
     pipe = PixArtSigmaPipeline(tokenizer=tok, text_encoder=text, vae=_vae(), transformer=transformer,
                                scheduler=sched)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return _ready(pipe)
