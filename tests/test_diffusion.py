@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import asyncinterp as ai  # noqa: E402
-from diffusion_helpers import tiny_pixart, tiny_sd  # noqa: E402
+from asyncinterp.models.tiny_diffusion import tiny_pixart, tiny_sd  # noqa: E402
 
 STEPS = 3
 SD_KW = dict(height=8, width=8, guidance_scale=3.0)

