@@ -172,3 +172,21 @@ def test_split_cfg_and_errors(case):
         model.generate(3, pair, num_inference_steps=1, **kw)
     with pytest.raises(TypeError, match="generator"):
         model.generate("x", pair, generator=torch.Generator(), **kw)
+
+
+def test_text_encoder_rows_per_prompt(case):
+    """The text encoder runs per prompt (before num_images_per_prompt repeats): each invoke sees its prompts."""
+    model, pipe, kw, *_ = case
+
+    async def enc(m):
+        out = await m.text_encoder.encoder.output if model.denoiser_name == "unet" else \
+            await m.text_encoder.encoder.final_layer_norm.output
+        return (out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)).clone()
+
+    with model.generate(num_inference_steps=1, num_images_per_prompt=2, **kw) as run:
+        a = run.invoke("a cat", enc, seed=1)
+        b = run.invoke(["a dog", "a bird"], enc, seed=2)
+    solo = model.generate(["a dog", "a bird"], enc, num_inference_steps=1, num_images_per_prompt=2, seed=2, **kw)
+    assert a.result.shape[0] == 1 and b.result.shape[0] == 2
+    torch.testing.assert_close(b.result, solo.result, atol=1e-5, rtol=0)
+    assert run.layout.prompt_spans == [slice(0, 1), slice(1, 3)] and run.layout.cfg_spans[1] == slice(4, 12)

@@ -45,8 +45,9 @@ class DiffusionLayout(BatchLayout):
 
     Invoke ``i`` has ``p_i`` prompts and ``n`` images per prompt, so ``r_i =
     p_i * n`` image rows; the pipeline batch has ``B = sum(r_i)`` rows, in
-    invoke order (``spans``). That is what the latents, the text encoder and
-    the VAE see.
+    invoke order (``spans``): what the latents and the VAE see. The text
+    encoder runs on the prompts before they are repeated ``n`` times: there
+    invoke ``i`` owns its ``p_i`` prompt rows (``prompt_spans``).
 
     With classifier-free guidance the denoiser gets ``2B`` rows, the pipeline's
     order being ``[uncond rows of all invokes; cond rows of all invokes]``.
@@ -57,7 +58,7 @@ class DiffusionLayout(BatchLayout):
     reach the model). :func:`split_cfg` splits such a view into its pair.
     """
 
-    def __init__(self, rows):
+    def __init__(self, rows, prompts=None):
         offsets = [0]
         for r in rows:
             offsets.append(offsets[-1] + r)
@@ -73,6 +74,13 @@ class DiffusionLayout(BatchLayout):
         self.order = torch.tensor(order, dtype=torch.long)
         self.inverse = torch.argsort(self.order)
         self.reorders = order != list(range(2 * batch))
+        # the text encoder runs once per prompt (before the images are repeated): invoke i owns prompt rows
+        prompts = list(rows) if prompts is None else list(prompts)
+        starts = [0]
+        for p in prompts:
+            starts.append(starts[-1] + p)
+        self.prompt_count = starts[-1]
+        self.prompt_spans = [slice(starts[i], starts[i + 1]) for i in range(len(prompts))]
 
     def covers_all(self, group) -> bool:
         return len(self.rows) == 1
@@ -85,6 +93,8 @@ class DiffusionLayout(BatchLayout):
             return self.spans[group]
         if n == 2 * self.batch_size:
             return self.cfg_spans[group]
+        if n == self.prompt_count:
+            return self.prompt_spans[group]
         return None
 
     def view(self, value, group):
@@ -325,16 +335,18 @@ class DiffusionRun(Run):
         opts = dict(self.options)
         n = opts.pop("num_images_per_prompt")
         default_seed = opts.pop("seed")
-        prompts, rows, generators = [], [], []
+        prompts, rows, counts, generators = [], [], [], []
         for inv in self.invokes:
             if inv.spec.input is None:
                 if inv.background:
                     rows.append(0)
+                    counts.append(0)
                     continue
                 raise TypeError(f"invoke {inv.index} has no prompt; a DiffusionModel invoke needs one")
             ps = _prompts(inv.spec.input, inv.index)
             prompts += ps
             rows.append(len(ps) * n)
+            counts.append(len(ps))
             seed = inv.spec.options.get("seed")
             if seed is None:
                 seed = default_seed
@@ -342,11 +354,11 @@ class DiffusionRun(Run):
                 seed = int(torch.randint(0, 2 ** 62, ()))
             g = torch.Generator().manual_seed(seed)
             generators += [g] * (len(ps) * n)
-        layout = self.layout = DiffusionLayout(rows)
+        layout = self.layout = DiffusionLayout(rows, counts)
         for i, inv in enumerate(self.invokes):
             if inv.background:   # persistent edits see the whole batch
                 layout.spans[i] = None
-                layout.cfg_spans[i] = slice(None)
+                layout.cfg_spans[i] = layout.prompt_spans[i] = slice(None)
         tap = model.generation_points["latents"].envoy.module
         if "callback_on_step_end" in model.call_params:
             def on_step_end(pipeline, i, t, kwargs):
