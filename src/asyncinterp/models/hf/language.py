@@ -60,6 +60,13 @@ class LanguageModel(GeneratingModel, Model):
                            "`m.logits = new`")
     tokens = generation_point("generation only: the [rows] token ids chosen at this step (read-only)")
 
+    def __new__(cls, model=None, *args, **kwargs):
+        if cls is LanguageModel:
+            from .lora import PeftLanguageModel, is_peft_model
+            if is_peft_model(model):   # LoRA adapters: a run can choose its adapter (see .lora)
+                cls = PeftLanguageModel
+        return super().__new__(cls)
+
     def __init__(self, model, tokenizer=None, envoys: dict | None = None):
         if not hasattr(model, "config"):
             raise TypeError(f"LanguageModel wraps a transformers model (with a .config), got "
