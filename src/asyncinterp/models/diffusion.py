@@ -192,6 +192,17 @@ class DiffusionModel(Model):
         tap = Envoy(_Identity(), "latents", root=self)
         init(self, "generation_points", {"latents": _LatentsPoint(tap)})
         init(self, "_diffusion_engine", None)
+        init(self, "_call_finished", False)   # the pipeline call being recorded returned (see below)
+
+    def finish_order_recording(self, recorder) -> None:
+        # Nothing calls the root (a container of the components), so the recorder never sees the call end by
+        # itself: one pipeline call that returned is the complete order (text encoder, denoiser, VAE).
+        recorder.stop()
+        if self._call_finished:
+            recorder.order.complete = True
+        else:
+            object.__setattr__(self, "call_order", None)
+        object.__setattr__(self, "_call_finished", False)
 
     @property
     def denoiser(self) -> Envoy:
@@ -378,7 +389,9 @@ class DiffusionRun(Run):
             self.track_steps(denoiser)
             if layout.reorders:
                 self._reorder_calls(denoiser, layout)
-            return pipe(prompt=prompts, generator=generators, num_images_per_prompt=n, **opts)
+            out = pipe(prompt=prompts, generator=generators, num_images_per_prompt=n, **opts)
+            object.__setattr__(model, "_call_finished", True)
+            return out
         return forward
 
     def _reorder_calls(self, module, layout):
