@@ -190,3 +190,37 @@ def test_text_encoder_rows_per_prompt(case):
     assert a.result.shape[0] == 1 and b.result.shape[0] == 2
     torch.testing.assert_close(b.result, solo.result, atol=1e-5, rtol=0)
     assert run.layout.prompt_spans == [slice(0, 1), slice(1, 3)] and run.layout.cfg_spans[1] == slice(4, 12)
+
+
+def test_break_keeps_denoising_and_stop_ends_the_call(case):
+    model, pipe, kw, block, block_module = case
+
+    async def edit_then_leave(m):
+        async for step in m.steps():
+            h = await block(m).output
+            h += 0.5
+            break                    # only step 0 is edited; the pipeline goes on
+
+    got = model.generate("a cat", edit_then_leave, num_inference_steps=STEPS, seed=1, output_type="np", **kw)
+    calls = [0]
+
+    def hook(mod, args, out):
+        calls[0] += 1
+        return out + 0.5 if calls[0] == 1 else out
+    handle = block_module(pipe).register_forward_hook(hook)
+    try:
+        ref = pipe(prompt=["a cat"], generator=_gens(1, 1), num_inference_steps=STEPS, output_type="np", **kw)
+    finally:
+        handle.remove()
+    np.testing.assert_allclose(np.stack(got.images), ref.images, atol=1e-5)
+
+    async def stop_at_1(m):
+        async for step in m.steps():
+            if step == 1:
+                m.stop()
+        return "stopped"
+
+    out = model.generate("a cat", stop_at_1, num_inference_steps=STEPS, seed=1, **kw)
+    assert out.result == "stopped"
+    with pytest.raises(RuntimeError, match="stopped"):
+        out.images

@@ -291,6 +291,9 @@ class DiffusionInvoke(Invoke):
         """This invoke's images (PIL images unless ``output_type`` said otherwise): ``prompts x images_per_prompt``."""
         self._check_done()
         run = self.run
+        if run.output is None:
+            raise RuntimeError("the pipeline call was stopped (m.stop()) before it made images; leave the step "
+                               "loop with `break` instead to let the remaining steps run")
         span = run.layout.spans[self.index]
         return list(run.output.images[span])
 
@@ -330,8 +333,9 @@ class DiffusionRun(Run):
         super().__init__(model, job)
         self.options = dict(job.generation)
 
-    def activate(self, trap, task) -> None:
-        super().activate(trap, task)
+    def left_step_loop(self, task) -> None:
+        """Leaving ``m.steps()`` early does not end the pipeline call (the scheduler bounds the steps): the
+        images are still made. ``m.stop()`` stops the call (and leaves no images)."""
 
     def already_ran(self, trap, current_point) -> bool:
         # within a step: every module, then m.latents
