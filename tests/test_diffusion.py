@@ -144,6 +144,15 @@ def test_latents_edit_changes_the_next_step(case):
 
     got = model.generate("a cat", halve, num_inference_steps=STEPS, seed=1, output_type="np", **kw)
 
+    async def halve_by_assignment(m):
+        async for step in m.steps():
+            lat = await m.latents
+            if step == 0:
+                m.latents = lat * 0.5
+
+    again = model.generate("a cat", halve_by_assignment, num_inference_steps=STEPS, seed=1, output_type="np", **kw)
+    np.testing.assert_allclose(np.stack(again.images), np.stack(got.images), atol=1e-6)
+
     if model.denoiser_name == "unet":
         def cb(p, i, t, kwargs):
             return {"latents": kwargs["latents"] * 0.5} if i == 0 else {}

@@ -60,11 +60,20 @@ class LanguageModel(GeneratingModel, Model):
                            "`m.logits = new`")
     tokens = generation_point("generation only: the [rows] token ids chosen at this step (read-only)")
 
+    #: ``(test, subclass)``: ``LanguageModel(model)`` makes ``subclass`` when ``test(model)`` holds (registered by
+    #: the modules that define them, e.g. ``.lora`` for peft models; ``ai.LanguageModel`` imports those)
+    _variants = []
+
     def __new__(cls, model=None, *args, **kwargs):
         if cls is LanguageModel:
-            from .lora import PeftLanguageModel, is_peft_model
-            if is_peft_model(model):   # LoRA adapters: a run can choose its adapter (see .lora)
-                cls = PeftLanguageModel
+            for test, variant in cls._variants:
+                if test(model):
+                    cls = variant
+                    break
+            else:
+                if type(model).__module__.startswith("peft."):
+                    raise TypeError("a peft model needs asyncinterp.models.hf.lora (ai.LanguageModel imports it): "
+                                    "`import asyncinterp.models.hf.lora` first, or use ai.LanguageModel")
         return super().__new__(cls)
 
     def __init__(self, model, tokenizer=None, envoys: dict | None = None):

@@ -92,6 +92,9 @@ class PeftLanguageModel(LanguageModel):
             return await LanguageModel.agenerate(self, input, *fns, **options)
 
 
+LanguageModel._variants.append((is_peft_model, PeftLanguageModel))
+
+
 class AdapterEngine:
     """Another engine's runs with adapter ``adapter`` active (switched back when each run ends)."""
 
