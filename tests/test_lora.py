@@ -120,3 +120,20 @@ def test_generate_with_adapter_equals_set_adapter_by_hand(lora):
     assert len(out.tokens) > 0
     assert out.tokens.tolist() == ref[0, enc["input_ids"].shape[1]:].tolist()[:len(out.tokens)]
     assert model.active_adapter == "red"
+
+
+def test_async_runs_take_the_adapter(lora):
+    import asyncio
+    model, pm, tok = lora
+
+    async def logits(m):
+        return (await m.lm_head.output).clone()
+
+    async def both():
+        return await model.atrace(PROMPT, logits, adapter="blue"), await model.atrace(PROMPT, logits)
+
+    blue, red = asyncio.run(both())
+    torch.testing.assert_close(blue, reference_logits(pm, tok, adapter="blue"), atol=1e-6, rtol=0)
+    torch.testing.assert_close(red, reference_logits(pm, tok), atol=1e-6, rtol=0)
+    out = asyncio.run(model.agenerate(PROMPT, logits, max_new_tokens=2, adapter="blue"))
+    assert out.result is not None and model.active_adapter == "red"
