@@ -56,8 +56,11 @@ __all__ = [
 def __getattr__(name):
     # Language-model support needs transformers: imported on first use only.
     if name in ("LanguageModel", "Generation"):
-        from .models.hf import language, runs
+        from .models.hf import language, lora, runs  # noqa: F401 (lora: LanguageModel(peft_model) support)
         return getattr(language, name, None) or getattr(runs, name)
+    if name in ("DiffusionModel", "DiffusionInvoke"):  # needs diffusers: imported on first use only
+        from .models import diffusion
+        return getattr(diffusion, name)
     if name == "VLLM":  # needs vllm: imported on first use only
         from .models.vllm import VLLM
         return VLLM

@@ -60,6 +60,22 @@ class LanguageModel(GeneratingModel, Model):
                            "`m.logits = new`")
     tokens = generation_point("generation only: the [rows] token ids chosen at this step (read-only)")
 
+    #: ``(test, subclass)``: ``LanguageModel(model)`` makes ``subclass`` when ``test(model)`` holds (registered by
+    #: the modules that define them, e.g. ``.lora`` for peft models; ``ai.LanguageModel`` imports those)
+    _variants = []
+
+    def __new__(cls, model=None, *args, **kwargs):
+        if cls is LanguageModel:
+            for test, variant in cls._variants:
+                if test(model):
+                    cls = variant
+                    break
+            else:
+                if type(model).__module__.startswith("peft."):
+                    raise TypeError("a peft model needs asyncinterp.models.hf.lora (ai.LanguageModel imports it): "
+                                    "`import asyncinterp.models.hf.lora` first, or use ai.LanguageModel")
+        return super().__new__(cls)
+
     def __init__(self, model, tokenizer=None, envoys: dict | None = None):
         if not hasattr(model, "config"):
             raise TypeError(f"LanguageModel wraps a transformers model (with a .config), got "
