@@ -35,6 +35,8 @@ from .run import Run
 
 __all__ = ["Engine", "Execution", "ForwardEngine", "describe_invoke"]
 
+new_spec = tuple.__new__   # an InvokeSpec from its six fields, already checked (describe_invoke is on every trace)
+
 
 class Execution(Protocol):
     """A started job: what ``run()``, ``atrace`` and serving wait on and cancel."""
@@ -90,7 +92,8 @@ def describe_invoke(index, input, fns, kwargs, deferred, invoke_class=Invoke, op
         captured = capture(fns)
     else:
         captured = ()   # run at once, or an intervention that reads no variable (the common case)
-    return invoke_class(index, InvokeSpec(input, fns, kwargs, frozen_mapping(options) if options else EMPTY, captured))
+    return invoke_class(index, new_spec(InvokeSpec, (input, fns, kwargs, frozen_mapping(options) if options else EMPTY,
+                                                     captured, False)))
 
 
 class ForwardEngine:

@@ -19,7 +19,7 @@ from .kernel.errors import AsyncInterpError, RunCancelled
 from .kernel.futures import Future
 from .kernel.traps import PointTrap
 
-__all__ = ["Invoke", "RunStopped", "forgotten_await"]
+__all__ = ["PLAIN_RESULTS", "Invoke", "RunStopped", "forgotten_await"]
 
 
 class RunStopped(AsyncInterpError):
@@ -127,7 +127,7 @@ class Invoke:
 def forgotten_await(task):
     """A ``TypeError`` if ``task`` finished returning an awaitable of ours (an ``await`` is missing), else ``None``."""
     result = task.result
-    if result is None or type(result) in _PLAIN_RESULTS or not task.done or task.closed or task.exc is not None:
+    if result is None or type(result) in PLAIN_RESULTS or not task.done or task.closed or task.exc is not None:
         return None
     return _forgot_await_error(task, result) if _forgot_await(result) else None
 
@@ -143,9 +143,9 @@ def _forgot_await(value) -> bool:
 
 
 #: result types that cannot be a forgotten await (checked without isinstance)
-_PLAIN_RESULTS = frozenset((torch.Tensor, int, float, bool, str, bytes, dict))
+PLAIN_RESULTS = frozenset((torch.Tensor, int, float, bool, str, bytes, dict))
 #: the same for the items of a returned tuple or list (only one level is checked: a nested tuple is plain)
-_PLAIN_ITEMS = _PLAIN_RESULTS | {tuple, list, type(None)}
+_PLAIN_ITEMS = PLAIN_RESULTS | {tuple, list, type(None)}
 
 
 def _forgot_await_error(task, value) -> TypeError:

@@ -41,7 +41,7 @@ from .invoke import Invoke
 from .kernel.errors import AsyncInterpError
 from .kernel.task import callable_name, is_async_fn
 
-__all__ = ["EMPTY", "InvokeSpec", "Job", "LateBindingError", "Trace", "capture", "check_captured",
+__all__ = ["EMPTY", "InvokeSpec", "Job", "LateBindingError", "Trace", "one_invoke_job", "capture", "check_captured",
            "check_intervention", "check_kwargs", "edit_invoke", "frozen_mapping", "is_async_fn", "split_input"]
 
 #: the empty frozen mapping (the default of every mapping field of a job)
@@ -153,6 +153,13 @@ class Job(_Frozen):
     def intervened(self) -> bool:
         """Whether some invoke has interventions."""
         return any(spec.fns for spec in self.invokes)
+
+
+def one_invoke_job(invoke, on_error: str) -> Job:
+    """The job of ``model.trace(x, fn)``: one invoke, no options (the common case, built without the general checks)."""
+    if on_error != "stop" and on_error != "continue":
+        _refuse((), "trace", on_error, ())
+    return tuple.__new__(Job, ((invoke.spec,), "trace", on_error, False, EMPTY, EMPTY, (invoke,), None))
 
 
 def _refuse(invokes, kind, on_error, results):

@@ -19,7 +19,7 @@ from .hooks.modules import submodules
 from .kernel.errors import NotInRunError
 from .kernel.scheduler import current_kernel, current_task
 from .hooks.order import CallOrder, OrderRecorder
-from .job import Job, Trace
+from .job import Trace, one_invoke_job
 from .kernel.tasks import Steps
 
 _NOTHING = object()
@@ -187,7 +187,7 @@ class Model(Envoy):
             execution = trace.start()
         else:   # one invoke: the job is made directly (the common case, kept short)
             inv = engine.make_invoke(0, None if input is _NOTHING else input, fns, kwargs, False)
-            execution = engine.start(Job((inv.spec,), "trace", on_error, results=(inv,)))
+            execution = engine.start(one_invoke_job(inv, on_error))
         execution.wait()
         if not inv.fns:
             return execution.output

@@ -32,7 +32,7 @@ from .hooks.modules import (
 from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
 from .hooks.firing import Firing, StaleEditWarning, StaleWatch
 from .hooks.views import WHOLE_BATCH, Layout
-from .invoke import Invoke, RunStopped, forgotten_await
+from .invoke import PLAIN_RESULTS, Invoke, RunStopped, forgotten_await
 from .job import LateBindingError, check_intervention, is_async_fn
 from .kernel.scheduler import Kernel, callable_name, current_task
 
@@ -611,9 +611,11 @@ class Run:
         for inv in self.invokes:
             inv.finish(ref)
             for task in inv.tasks:
-                err = forgotten_await(task)
-                if err is not None and kernel is not None:
-                    kernel.fail(task, err)
+                result = task.result
+                if result is not None and type(result) not in PLAIN_RESULTS:   # (the common case skips the call)
+                    err = forgotten_await(task)
+                    if err is not None and kernel is not None:
+                        kernel.fail(task, err)
         failures = kernel.failures if kernel is not None else ()
         if failures and self.on_error == "stop":
             self._raise(failures)
