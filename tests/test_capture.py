@@ -219,3 +219,51 @@ def test_a_partial_with_keywords_travels(mlp):
     fn = functools.partial(add, vec=torch.randn(16))
     local, dry = _local_and_dry(model, lambda run: run.invoke(x, fn))
     _same(local[0], dry[0])
+
+
+def test_a_server_rebuilds_in_the_sandbox_and_gets_the_local_result(mlp):
+    from asyncinterp.serve.rebuild_sandbox import Sandboxed
+    model = ai.wrap(mlp)
+    x = torch.randn(2, 8)
+    steer = torch.randn(16)
+
+    async def steered(m):
+        h = await m.layers[2].output
+        m.layers[2].output = halve(h) + steer
+        return (await m.layers[5].output).clone()
+
+    run = model.trace()
+    run.invoke(x, steered)
+    back = loads_job(dumps_job(run.job), compile_source=Sandboxed())
+    model.engine("trace").start(back).wait()
+    _same(model.trace(x, steered), back.results[0].result)
+
+    async def escapes(m):
+        return open("/etc/passwd").read()
+
+    run = model.trace()
+    run.invoke(x, escapes)
+    with pytest.raises(SandboxRefused, match="open"):
+        loads_job(dumps_job(run.job), compile_source=Sandboxed())
+
+
+def test_a_future_shared_between_invokes_works_in_the_sandbox(mlp):
+    from asyncinterp.serve.rebuild_sandbox import Sandboxed
+    model = ai.wrap(mlp)
+    clean, corrupted = torch.randn(1, 8), torch.randn(1, 8)
+    handoff = ai.Future()
+
+    async def read_clean(m):
+        handoff.set_result((await m.layers[2].output).clone())
+
+    async def patch_corrupted(m):
+        await m.layers[2].output
+        m.layers[2].output = await handoff
+        return (await m.layers[5].output).clone()
+
+    run = model.trace()
+    run.invoke(clean, read_clean)
+    run.invoke(corrupted, patch_corrupted)
+    back = loads_job(dumps_job(run.job), compile_source=Sandboxed())
+    model.engine("trace").start(back).wait()
+    _same(back.results[1].result, model.trace(clean, lambda_free_read))

@@ -77,8 +77,11 @@ def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMI
         description = body.get("capture")
         built = rebuild(description, compile_source)
 
+        entry = getattr(compile_source, "entry", None)   # e.g. the sandbox's restricted view of the model
+
         def compile(spec):   # noqa: A001 - the same role as the argument it stands for
-            return intervention(built, spec, description)
+            fn = intervention(built, spec, description)
+            return fn if entry is None else entry(fn)
     elif compile is None:
         raise TypeError("loads_job needs compile_source (see asyncinterp.serve.rebuild) or compile")
     else:
