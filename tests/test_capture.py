@@ -8,7 +8,7 @@ import torch
 import asyncinterp as ai
 from asyncinterp.serve import wire
 from asyncinterp.serve.capture import FORMAT, Capture, describe
-from asyncinterp.serve.dry_run import dry_run
+from asyncinterp.serve.dryrun import dry_run
 from asyncinterp.serve.job_wire import dumps_job, loads_job
 from asyncinterp.serve.rebuild import DescriptionRefused, checked, rebuild, trusted
 from asyncinterp.serve.sandbox import SandboxRefused

@@ -26,7 +26,7 @@ def __getattr__(name):
         from . import app
         return getattr(app, name)
     if name == "dry_run":
-        from .dry_run import dry_run
+        from .dryrun import dry_run
         return dry_run
     if name in ("Client", "AsyncClient"):
         from . import client

@@ -22,7 +22,7 @@ same. Writes (``nonlocal``) are refused at capture time.
 Compile functions: :func:`trusted` (plain ``compile``/``exec``: only for
 code you wrote, e.g. a dry run of your own job) and :func:`checked` (the
 sandbox's static check of submitted code, :func:`~.sandbox.check_source`,
-then as :func:`trusted`: what :func:`~.dry_run.dry_run` uses to find what a
+then as :func:`trusted`: what :func:`~.dryrun.dry_run` uses to find what a
 server would refuse).
 """
 
