@@ -267,3 +267,54 @@ def test_a_future_shared_between_invokes_works_in_the_sandbox(mlp):
     back = loads_job(dumps_job(run.job), compile_source=Sandboxed())
     model.engine("trace").start(back).wait()
     _same(back.results[1].result, model.trace(clean, lambda_free_read))
+
+
+def even(n):
+    return True if n == 0 else odd(n - 1)
+
+
+def odd(n):
+    return False if n == 0 else even(n - 1)
+
+
+def test_helpers_calling_each_other_are_captured_once(mlp):
+    model = ai.wrap(mlp)
+    x = torch.randn(1, 8)
+
+    async def parity(m):
+        h = await m.layers[1].output
+        return h * (2.0 if even(4) else -1.0)
+
+    local, dry = _local_and_dry(model, lambda run: run.invoke(x, parity))
+    _same(local[0], dry[0])
+    assert sorted(f["name"] for f in describe(parity)["functions"]) == ["even", "odd", "parity"]
+
+
+def test_what_a_server_would_refuse_shows_in_the_dry_run(mlp):
+    import os
+    model = ai.wrap(mlp)
+
+    async def uses_os(m):
+        return os.getcwd()
+
+    async def writes_outer(m):
+        nonlocal count
+        count += 1
+
+    async def opens(m):
+        return open("notes.txt").read()
+
+    async def dunder(m):
+        return __file__
+
+    count = 0
+    with pytest.raises(TypeError, match=r"uses_os reads 'os' .*module 'os' is not one the server allows"):
+        describe(uses_os)
+    with pytest.raises(TypeError, match=r"writes_outer assigns the enclosing function's variable 'count'"):
+        describe(writes_outer)
+    with pytest.raises(TypeError, match=r"dunder reads '__file__'"):
+        describe(dunder)
+    run = model.trace()
+    run.invoke(torch.randn(1, 8), opens)
+    with pytest.raises(SandboxRefused, match="open"):
+        dry_run(model, run)

@@ -107,6 +107,9 @@ class Capture:
 
     # ------------------------------------------------------------------ one name a function reads
     def _bind(self, entry, fn, name, value):
+        if name.startswith("__"):
+            raise _cannot(fn, name, value, "names starting with `__` belong to the module it was defined in "
+                                           "(and the sandbox refuses them)")
         if isinstance(value, types.ModuleType):
             if value.__name__ not in ALLOWED_MODULES:
                 raise _cannot(fn, name, value, f"module {value.__name__!r} is not one the server allows "
