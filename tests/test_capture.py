@@ -318,3 +318,13 @@ def test_what_a_server_would_refuse_shows_in_the_dry_run(mlp):
     run.invoke(torch.randn(1, 8), opens)
     with pytest.raises(SandboxRefused, match="open"):
         dry_run(model, run)
+
+
+def test_source_that_does_not_parse_here_names_both_pythons():
+    async def good(m):
+        return 1
+
+    desc = describe(good)
+    desc["functions"][0]["source"] = "async def good(m):\n    return 1 +\n"
+    with pytest.raises(DescriptionRefused, match=r"does not parse here .*written on Python .*read on Python"):
+        rebuild(desc, trusted)

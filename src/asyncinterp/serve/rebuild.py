@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import functools
 import linecache
+import platform
 
 import torch
 
@@ -73,7 +74,7 @@ def rebuild(description, compile_source) -> list:
         if not isinstance(entry, dict):
             raise DescriptionRefused(f"function {i} of the description is not a map")
         name = _name(entry.get("name"))
-        source = _function_source(entry.get("source"), name)
+        source = _function_source(entry.get("source"), name, body.get("python"))
         line = entry.get("line")
         if type(line) is not int or not 1 <= line <= 1_000_000:
             raise DescriptionRefused(f"function {name}: line {line!r} is not a line number")
@@ -165,14 +166,16 @@ def _map(obj, key) -> dict:
     return value
 
 
-def _function_source(source, name) -> str:
+def _function_source(source, name, client_python) -> str:
     if not isinstance(source, str):
         raise DescriptionRefused(f"function {name}: its source is not text")
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
-        raise DescriptionRefused(f"function {name}: its source does not parse ({exc.msg}, line {exc.lineno})") \
-            from None
+        raise DescriptionRefused(
+            f"function {name}: its source does not parse here ({exc.msg}, line {exc.lineno}; written on Python "
+            f"{str(client_python)[:20]}, read on Python {platform.python_version()}): use syntax both "
+            "versions know") from None
     except (ValueError, RecursionError, MemoryError):
         raise DescriptionRefused(f"function {name}: its source cannot be parsed") from None
     node = tree.body[0] if len(tree.body) == 1 else None

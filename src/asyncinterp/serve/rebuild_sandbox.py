@@ -20,6 +20,7 @@ as ``compile_source`` and wrap each entry point with :meth:`Sandboxed.entry`
 from __future__ import annotations
 
 import functools
+import linecache
 
 import torch
 
@@ -44,7 +45,9 @@ class Sandboxed:
 
     def __call__(self, source: str, filename: str, namespace: dict) -> None:
         tree = check_source(source)
-        code = compile(instrument(tree), f"{SUBMITTED_PREFIX}{filename.strip('<>')}>", "exec")
+        filename = f"{SUBMITTED_PREFIX}{filename.strip('<>')}>"   # how the sandbox's tracebacks know its frames
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        code = compile(instrument(tree), filename, "exec")
         for name, value in list(namespace.items()):
             if not isinstance(value, Future) and name != "__name__":
                 namespace[name] = _private(value)
