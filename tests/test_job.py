@@ -124,8 +124,9 @@ def test_a_job_that_cannot_travel_says_what_and_where(mlp):
     run = model.trace()
     run.invoke(torch.randn(1, 8), read_layer_two)
     run.invoke(torch.randn(1, 8), closes_over)
-    with pytest.raises(TypeError, match="invoke 1 of the job: closes_over uses variables"):
-        dumps_job(run.job)
+    data = dumps_job(run.job)   # a closure travels (captured, see tests/test_capture.py) ...
+    with pytest.raises(WireError, match="read it with loads_job.data, compile_source"):
+        loads_job(data, _trusted_compile)   # ... but not to a reader that takes self-contained source only
     run = model.trace()
     run.invoke(torch.randn(1, 8), read_layer_two)
     run.context["file"] = open(__file__)

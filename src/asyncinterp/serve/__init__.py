@@ -7,6 +7,8 @@
   client-submitted source run in a restricted sandbox.
 * :class:`Client` — sync and async HTTP client mirroring local ``trace``.
 * :mod:`.wire` — the msgpack wire format (tensors as dtype/shape/bytes).
+* :func:`dry_run` — a job through the wire and back, run on the local model
+  (what a server would refuse shows here; see docs/remote.md).
 
 See docs/serving.md.
 """
@@ -23,6 +25,9 @@ def __getattr__(name):
     if name in ("Server", "serve_app"):
         from . import app
         return getattr(app, name)
+    if name == "dry_run":
+        from .dryrun import dry_run
+        return dry_run
     if name in ("Client", "AsyncClient"):
         from . import client
         return getattr(client, name)
@@ -30,4 +35,5 @@ def __getattr__(name):
 
 
 __all__ = ["AsyncClient", "Batcher", "BatcherClosed", "BatcherFull", "Client", "GenerateResult", "MaxLen",
-           "ModulePath", "Param", "Range", "RemoteError", "Server", "WireError", "emit"]
+           "ModulePath", "Param", "Range", "RemoteError", "Server", "WireError",
+           "dry_run", "emit"]

@@ -3,10 +3,15 @@
 A :class:`~asyncinterp.job.Job` is a plain value; this module writes it as
 msgpack (through :mod:`.wire`, so tensors are ``(dtype, shape, bytes)`` and
 nothing is pickled) and reads it back. Interventions travel as source text,
-never bytecode, so client and server Python versions may differ; reading a
-job back never executes anything by itself: the caller passes ``compile``,
-the function that turns one intervention's wire form into a callable (on a
-server: the sandbox's compiler, which checks the source first).
+never bytecode, so client and server Python versions may differ: all of a
+job's interventions are captured together (:mod:`.capture`: their source,
+the values, helpers, modules and futures they read; what two invokes share
+is shared after the trip). Reading a job back never executes anything by
+itself: the caller passes ``compile_source`` (see :mod:`.rebuild`: on a
+server, the sandbox's), through which every captured source is compiled.
+The older ``compile(spec)`` (one self-contained intervention's
+``{"source", "entry", "params"}`` to a callable) still works when no
+``compile_source`` is given; it refuses what a closure or global needs.
 
 What travels: every invoke's input, keyword arguments, per-invoke options,
 ``background`` flag and interventions; the job's kind, ``on_error``,
@@ -22,29 +27,33 @@ from __future__ import annotations
 from ..invoke import Invoke
 from ..job import InvokeSpec, Job, frozen_mapping
 from . import wire
+from .capture import Capture
 from .client import intervention_spec
+from .rebuild import DescriptionRefused, intervention, rebuild
 
 __all__ = ["JOB_FORMAT", "dumps_job", "loads_job"]
 
 #: the version of a job's wire form; a reader refuses any other
-JOB_FORMAT = 1
+JOB_FORMAT = 2
 
 
 def dumps_job(job: Job) -> bytes:
     """The job as msgpack bytes (see the module docs for what travels)."""
     invokes = []
+    capture = Capture()
     for i, spec in enumerate(job.invokes):
         fns = []
         for fn in spec.fns:
             try:
-                fns.append(intervention_spec(fn))
+                fns.append({**_plain_form(fn), **capture.add_intervention(fn)})
             except TypeError as exc:
                 raise TypeError(f"invoke {i} of the job: {exc}") from None
         invokes.append({"input": spec.input, "fns": fns, "kwargs": dict(spec.kwargs),
                         "options": dict(spec.options), "background": spec.background})
     body = {"format": JOB_FORMAT, "kind": job.kind, "on_error": job.on_error,
             "stop_per_invoke": job.stop_per_invoke, "generation": dict(job.generation),
-            "context": dict(job.context), "invokes": invokes}
+            "context": dict(job.context), "invokes": invokes,
+            "capture": capture.description()}
     try:
         return wire.packb(body)
     except (TypeError, wire.WireError) as exc:
@@ -52,15 +61,31 @@ def dumps_job(job: Job) -> bytes:
                         "strings, bytes, None, or lists, tuples and dicts of these") from None
 
 
-def loads_job(data: bytes, compile, limits: wire.Limits = wire.DEFAULT_LIMITS) -> Job:
-    """The job that :func:`dumps_job` wrote; ``compile(spec)`` turns one intervention's wire form into a callable.
+def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
+              compile_source=None) -> Job:
+    """The job that :func:`dumps_job` wrote, its interventions rebuilt with ``compile_source`` (see :mod:`.rebuild`).
 
-    Each invoke gets a fresh result carrier (:class:`~asyncinterp.invoke.Invoke`).
+    Without ``compile_source``, ``compile(spec)`` turns each intervention's self-contained form
+    (``{"source", "entry", "params"}``) into a callable, as before captures. Each invoke gets a fresh
+    result carrier (:class:`~asyncinterp.invoke.Invoke`).
     """
     body = wire.unpackb(data, limits)
     if not isinstance(body, dict) or body.get("format") != JOB_FORMAT:
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
         raise wire.WireError(f"not a job of wire format {JOB_FORMAT} (found {found!r})")
+    if compile_source is not None:
+        description = body.get("capture")
+        built = rebuild(description, compile_source)
+
+        entry = getattr(compile_source, "entry", None)   # e.g. the sandbox's restricted view of the model
+
+        def compile(spec):   # noqa: A001 - the same role as the argument it stands for
+            fn = intervention(built, spec, description)
+            return fn if entry is None else entry(fn)
+    elif compile is None:
+        raise TypeError("loads_job needs compile_source (see asyncinterp.serve.rebuild) or compile")
+    else:
+        compile = _self_contained(compile)
     specs = []
     for i, item in enumerate(_list(body, "invokes")):
         if not isinstance(item, dict):
@@ -75,6 +100,23 @@ def loads_job(data: bytes, compile, limits: wire.Limits = wire.DEFAULT_LIMITS) -
                    frozen_mapping(_map(body, "context")), carriers)
     except ValueError as exc:
         raise wire.WireError(str(exc)) from None
+
+
+def _plain_form(fn) -> dict:
+    """The self-contained form of ``fn`` for an older ``compile(spec)`` (empty when it reads captured names)."""
+    try:
+        return intervention_spec(fn)
+    except TypeError:
+        return {}
+
+
+def _self_contained(compile):
+    def compile_plain(spec):
+        if not isinstance(spec, dict) or "source" not in spec:
+            raise DescriptionRefused("this job's interventions read closure variables or globals: read it with "
+                                     "loads_job(data, compile_source=...) (see asyncinterp.serve.rebuild)")
+        return compile(spec)
+    return compile_plain
 
 
 def _list(obj, key) -> list:

@@ -1,0 +1,77 @@
+"""The compile function a server gives :func:`~.rebuild.rebuild`: captured source runs as submitted code does.
+
+Captured functions are submitted code with values attached, so they get
+exactly the sandbox's treatment (see :mod:`.sandbox`): the static check
+(:func:`~.sandbox.checker.check_source`), the instrumentation (the
+request's clock ticks in every loop and call; unlisted attribute reads are
+checked where they run), restricted builtins and proxy modules, and, for
+the entry points, the restricted view of the model (:class:`~.sandbox.SafeEnvoy`)
+driven by :class:`~.sandbox.driver.Driven`, whose results are released as
+plain values. What the functions read arrives as the sandbox's private
+copies (:func:`~.sandbox.sanitize`; bytes and sets, which it does not hand
+to submitted code, become ``None``); futures are kept as they are (they are
+the ones :func:`~.rebuild.rebuild` made, shared between invokes).
+
+One :class:`Sandboxed` per request (it holds the request's clock); pass it
+as ``compile_source`` and wrap each entry point with :meth:`Sandboxed.entry`
+(``loads_job`` does this when the compile function has an ``entry``).
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+
+import torch
+
+from ..kernel.futures import Future
+from .sandbox.checker import check_source
+from .sandbox.clock import Clock
+from .sandbox.driver import Driven
+from .sandbox.envoys import SafeEnvoy, setpoint
+from .sandbox.errors import SUBMITTED_PREFIX
+from .sandbox.instrumentation import MEMBER, PLAIN, SETPOINT, TICK, instrument
+from .sandbox.namespace import read_unlisted, safe_builtins, text_safe
+from .sandbox.values import release, sanitize
+
+__all__ = ["Sandboxed"]
+
+
+class Sandboxed:
+    """Compile captured source as the sandbox compiles submitted code (``deadline``, ``budget``: see ``Clock``)."""
+
+    def __init__(self, deadline: float | None = None, budget: float | None = None):
+        self.clock = Clock(deadline, budget)
+
+    def __call__(self, source: str, filename: str, namespace: dict) -> None:
+        tree = check_source(source)
+        filename = f"{SUBMITTED_PREFIX}{filename.strip('<>')}>"   # how the sandbox's tracebacks know its frames
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        code = compile(instrument(tree), filename, "exec")
+        for name, value in list(namespace.items()):
+            if not isinstance(value, Future) and name != "__name__":
+                namespace[name] = _private(value)
+        namespace.update({"__builtins__": safe_builtins(), TICK: self.clock.tick, SETPOINT: setpoint,
+                          PLAIN: text_safe, MEMBER: read_unlisted})
+        exec(code, namespace)  # noqa: S102 - checked and instrumented above, restricted builtins
+
+    def entry(self, fn):
+        """An entry point as the engine calls it: the model seen through ``SafeEnvoy``, results released."""
+        if isinstance(fn, functools.partial):
+            fn = functools.partial(fn.func, *fn.args, **{k: _private(v) for k, v in fn.keywords.items()})
+        clock = self.clock
+        name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "captured")
+
+        async def submitted(m):
+            return release(await Driven(fn(SafeEnvoy(m)), clock))
+
+        submitted.__qualname__ = submitted.__name__ = name
+        return submitted
+
+
+def _private(value):
+    if isinstance(value, (torch.Tensor, list, tuple, dict)):
+        return sanitize(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return None
