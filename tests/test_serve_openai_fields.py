@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncinterp.models import tiny
 from asyncinterp.serve import Server
+from serve_helpers import SPIN
 from test_serve_http import Live
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
@@ -232,15 +233,6 @@ def test_metrics_scraped_during_a_load_run(hf_live, client):
     assert seen == sorted(seen) and after[ok] - before.get(ok, 0) == n
     assert after.get(key, 0) == before.get(key, 0)
     assert after[("asyncinterp_queue_depth", ())] == 0
-
-
-SPIN = """
-async def f(m):
-    h = await m.transformer.h[0].output
-    i = 0
-    while True:
-        i += 1
-"""
 
 
 def test_metrics_count_refusals_and_budget_cuts(lm):
