@@ -42,7 +42,7 @@ from .kernel.errors import AsyncInterpError
 from .kernel.task import callable_name, is_async_fn
 
 __all__ = ["EMPTY", "InvokeSpec", "Job", "LateBindingError", "Trace", "one_invoke_job", "capture", "check_captured",
-           "check_intervention", "check_kwargs", "edit_invoke", "frozen_mapping", "is_async_fn", "split_input"]
+           "check_intervention", "check_kwargs", "check_on_error", "edit_invoke", "frozen_mapping", "is_async_fn", "split_input"]
 
 #: the empty frozen mapping (the default of every mapping field of a job)
 EMPTY = MappingProxyType({})
@@ -158,14 +158,19 @@ class Job(_Frozen):
 def one_invoke_job(invoke, on_error: str) -> Job:
     """The job of ``model.trace(x, fn)``: one invoke, no options (the common case, built without the general checks)."""
     if on_error != "stop" and on_error != "continue":
-        _refuse((), "trace", on_error, ())
+        check_on_error(on_error)
     return tuple.__new__(Job, ((invoke.spec,), "trace", on_error, False, EMPTY, EMPTY, (invoke,), None))
 
 
-def _refuse(invokes, kind, on_error, results):
+def check_on_error(on_error) -> None:
+    """Raise a clear ``ValueError`` unless ``on_error`` is ``"stop"`` or ``"continue"``."""
     if on_error != "stop" and on_error != "continue":
         raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
                          f"(it fails only its own invoke), got {on_error!r}")
+
+
+def _refuse(invokes, kind, on_error, results):
+    check_on_error(on_error)
     if kind != "trace" and kind != "generate":
         raise ValueError(f"a job's kind is 'trace' or 'generate', got {kind!r}")
     raise ValueError(f"a job has {len(invokes)} invokes but {len(results)} result carriers")
@@ -185,9 +190,7 @@ class Trace:
 
     def __init__(self, model, kind: str = "trace", on_error: str = "stop", *, generation=None,
                  stop_per_invoke: bool = False, engine=None):
-        if on_error != "stop" and on_error != "continue":
-            raise ValueError(f"on_error must be 'stop' (a failing intervention stops the run) or 'continue' "
-                             f"(it fails only its own invoke), got {on_error!r}")
+        check_on_error(on_error)
         self.model = model
         self.engine = model.engine(kind) if engine is None else engine
         self.kind = kind
@@ -199,11 +202,8 @@ class Trace:
         self.invokes = []                  # the result carriers handed out, in order
         self.execution = None              # what runs the job, once started
         self._job = None
-        self._edits = model.edits          # a job takes the model's persistent edits as they are when it is made
-        if self._edits:
-            self._background = [edit_invoke(self._edits)]
-        else:
-            self._background = ()
+        edits = model.edits                # a job takes the model's persistent edits as they are when it is made
+        self._background = [edit_invoke(edits)] if edits else ()
 
     # ------------------------------------------------------------------ building
     def invoke(self, input=None, *fns, **kwargs) -> Invoke:
@@ -453,7 +453,7 @@ def _returns_coroutine_hint(fn) -> bool:
 
 def split_input(input, fns) -> tuple:
     """``invoke(fn)`` with an intervention and no input means ``invoke(None, fn)``: returns ``(input, fns)``."""
-    if not fns and callable(input) and not _is_tensor(input) and is_async_fn(input):
+    if not fns and callable(input) and is_async_fn(input):
         return None, (input,)
     return input, fns
 
@@ -466,7 +466,3 @@ def check_kwargs(kwargs) -> None:
                 f"keyword argument {name}={callable_name(v)} looks like an intervention, but keyword arguments "
                 "go to the model's forward; pass interventions positionally: model.trace(x, fn) / "
                 "run.invoke(x, fn)")
-
-
-def _is_tensor(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "dim")

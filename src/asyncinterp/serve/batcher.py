@@ -45,7 +45,7 @@ import torch
 from .. import aio
 from ..kernel.errors import RunCancelled
 from ..job import Trace
-from ..kernel.scheduler import current_kernel
+from ..kernel.scheduler import current_run
 from ..models.generating import check_stop, eos_ids, stop_hit
 from .requests import REQUESTS, BatcherClosed, BatcherFull, GenerateResult, Ledger, Meter, Request, emit  # noqa: F401
 
@@ -552,7 +552,7 @@ class _GenerationWatch:
         self.__qualname__ = self.__name__ = "serve-generation-watch"
 
     async def __call__(self, m):
-        run = self.run = current_kernel().host
+        run = self.run = current_run()
         run.tap(m.tokens, self._on_tokens)
         return None
 

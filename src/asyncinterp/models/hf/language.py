@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 
 from ...kernel.errors import NotInRunError
-from ...kernel.scheduler import current_kernel, current_task
+from ...kernel.scheduler import current_run, current_task
 from ...model import Model
 from ..generating import GeneratingModel, generation_point
 from .inputs import context_length
@@ -40,8 +40,7 @@ class _logits_point(generation_point):
     def __get__(self, envoy, owner=None):
         if envoy is None:
             return self
-        kernel = current_kernel()
-        host = kernel.host if kernel is not None else None
+        host = current_run()
         if host is not None and not getattr(host, "generating", True) and host.model is envoy:
             made = envoy.points.get("logits")
             if made is None:
@@ -118,12 +117,11 @@ class LanguageModel(GeneratingModel, Model):
     @property
     def generated(self):
         """Inside a generation task: what this invoke has generated so far (``.tokens``, ``.text``)."""
-        kernel = current_kernel()
+        run = current_run()
         task = current_task()
-        if kernel is None or task is None or not isinstance(kernel.host, GenerateRun) \
-                or kernel.host.model is not self:
+        if task is None or not isinstance(run, GenerateRun) or run.model is not self:
             raise NotInRunError("m.generated is only available inside an intervention of model.generate")
-        return kernel.host.generated(task.group)
+        return run.generated(task.group)
 
     # --------------------------------------------------------------- helpers
     def _tok(self):

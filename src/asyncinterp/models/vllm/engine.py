@@ -15,7 +15,6 @@ options with each invoke's own keywords on top (:func:`~.requests.request_params
 from __future__ import annotations
 
 from ...engine import describe_invoke
-from ...job import split_input
 from .jobs import LiveJob
 from .requests import VLLMInvoke, prompt_ids, request_params
 
@@ -37,11 +36,11 @@ class VLLMEngine:
         ``do_sample``, any ``SamplingParams`` field) for this request's own
         sampling; the rest come from the job (greedy by default).
         """
-        input, fns = split_input(input, fns)
         sampling = dict(kwargs)
         given = sampling.pop("sampling_params", None)
         options = sampling if given is None else {**sampling, "sampling_params": given}
         inv = describe_invoke(index, input, fns, None, deferred, VLLMInvoke, options)
+        input = inv.spec.input   # (``invoke(fn)``: no prompt, describe_invoke moved fn to the interventions)
         if input is None:
             if options:
                 raise TypeError("an invoke without a prompt has no request, so it takes no sampling parameters")
