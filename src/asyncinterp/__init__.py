@@ -56,8 +56,11 @@ __all__ = [
 def __getattr__(name):
     # Language-model support needs transformers: imported on first use only.
     if name in ("LanguageModel", "Generation"):
-        from .models.hf import language, lora, runs  # noqa: F401 (lora: LanguageModel(peft_model) support)
+        from .models.hf import language, lora, runs, vision  # noqa: F401 (lora, vision: LanguageModel(peft / VLM))
         return getattr(language, name, None) or getattr(runs, name)
+    if name == "VisionLanguageModel":  # image-text-to-text models (LLaVA, Qwen2-VL) with their processor
+        from .models.hf.vision import VisionLanguageModel
+        return VisionLanguageModel
     if name in ("DiffusionModel", "DiffusionInvoke"):  # needs diffusers: imported on first use only
         from .models import diffusion
         return getattr(diffusion, name)
