@@ -134,7 +134,8 @@ def test_only_kernel_hosts_inherit_from_run():
     hosts = {f"{c.__module__}.{c.__qualname__}" for c in _all_subclasses(Run)
              if c.__module__.startswith("asyncinterp.")}
     known = {"asyncinterp.models.hf.runs.LMRun", "asyncinterp.models.hf.runs.GenerateRun",
-             "asyncinterp.models.vllm.worker.WorkerRun", "asyncinterp.models.diffusion.DiffusionRun"}
+             "asyncinterp.models.vllm.worker.WorkerRun", "asyncinterp.models.diffusion.DiffusionRun",
+             "asyncinterp.models.hf.vision.VisionRun", "asyncinterp.models.hf.vision.VisionGenerateRun"}
     if any(name.startswith("asyncinterp.models.vllm") for name in skipped):
         known.discard("asyncinterp.models.vllm.worker.WorkerRun")
     assert hosts == known, (hosts, skipped)
