@@ -234,25 +234,28 @@ def _image_positions(model, text, prompts):
     """Per invoke, per row of its view: the ``(start, stop)`` positions of each of its images' tokens."""
     ids = text.input_ids
     width = ids.shape[1]
-    image_id = model.image_token_id
+    is_image = ids == model.image_token_id
+    where_rows = [[] for _ in range(ids.shape[0])]
+    for r, c in is_image.nonzero().tolist():       # one pass over the batch (row-major: positions in order)
+        where_rows[r].append(c)
+    real = text.attention_mask.sum(-1).tolist()
     merge = model.merge_size ** 2
     out, lengths = [], []
     for g, prompt in enumerate(prompts):
         span = text.spans[g]
         rows = range(ids.shape[0]) if span is None else range(span[0], span[1])
-        real = text.attention_mask[list(rows)].sum(-1)
-        pad = 0 if span is None else width - int(real.max())
+        pad = 0 if span is None else width - max(real[r] for r in rows)
         if prompt is None or not prompt.images:
             sizes = []
         elif model.family == "qwen2_vl":
-            sizes = [int(n) // merge for n in prompt.grid.prod(-1)]
+            sizes = [int(n) // merge for n in prompt.grid.prod(-1).tolist()]
         else:
-            total = int((ids[list(rows)] == image_id).sum())
+            total = sum(len(where_rows[r]) for r in rows)
             sizes = [total // prompt.images] * prompt.images
         sizes = iter(sizes)
         per_row = []
         for r in rows:
-            where = (ids[r] == image_id).nonzero().flatten().tolist()
+            where = where_rows[r]
             found, i = [], 0
             while i < len(where):
                 n = next(sizes, None)
