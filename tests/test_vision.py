@@ -1,4 +1,4 @@
-"""Vision-language models (LLaVA, Qwen2-VL; tiny random configs) against hand-written torch hooks on the same model.
+"""Vision-language models (LLaVA, Qwen2-VL, Qwen2.5-VL; tiny random configs) against hand-written torch hooks on the same model.
 
 The reference of every check is the transformers model run on one invoke's
 processor output alone, with ``register_forward_hook`` hooks written by hand:
@@ -14,16 +14,16 @@ import torch
 pytest.importorskip("PIL")
 
 import asyncinterp as ai  # noqa: E402
-from asyncinterp.models.hf.tiny_vision import random_image, tiny_llava, tiny_qwen2_vl  # noqa: E402
+from asyncinterp.models.hf.tiny_vision import random_image, tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl  # noqa: E402
 from asyncinterp.models.hf.vision import VisionLanguageModel  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen2_5_vl"])
 def vlm(request):
     torch.set_grad_enabled(False)
-    hf, processor = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl}[request.param]()
+    hf, processor = {"llava": tiny_llava, "qwen2_vl": tiny_qwen2_vl, "qwen2_5_vl": tiny_qwen2_5_vl}[request.param]()
     yield ai.LanguageModel(hf, processor), hf, processor
     torch.set_grad_enabled(True)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["random_image", "save_vision_model", "tiny_llava", "tiny_qwen2_vl"]
+__all__ = ["random_image", "save_vision_model", "tiny_llava", "tiny_qwen2_5_vl", "tiny_qwen2_vl"]
 
 #: the text model of both tiny models (head_dim 32: a size vLLM's CPU attention takes)
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -79,10 +79,11 @@ def tiny_llava(seed: int = 0):
     return model.eval(), processor
 
 
-def _qwen2_vl_processor(images, tok):
-    from transformers import Qwen2VLProcessor
+def _qwen2_vl_processor(images, tok, base=None):
+    if base is None:
+        from transformers import Qwen2VLProcessor as base
 
-    class _Processor(Qwen2VLProcessor):
+    class _Processor(base):
         # transformers checks the video processor's class even when none is given, and that class needs
         # torchvision; a processor of images and text only does not
         def check_argument_for_proper_class(self, name, value):
@@ -92,36 +93,54 @@ def _qwen2_vl_processor(images, tok):
     return _Processor(image_processor=images, tokenizer=tok)
 
 
-def tiny_qwen2_vl(seed: int = 0):
+def tiny_qwen2_vl(seed: int = 0, version: str = "2"):
     """A tiny random ``Qwen2VLForConditionalGeneration`` and its ``Qwen2VLProcessor``: ``(model, processor)``.
 
     Images are resized to multiples of 8 pixels between 4 and 64 merged
     tokens (a 20x30 image: 2x4 = 8 image tokens from 4x8 = 32 patches).
+    ``version="2.5"``: the Qwen2.5-VL classes instead (see :func:`tiny_qwen2_5_vl`).
     """
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     images = Qwen2VLImageProcessorPil(min_pixels=4 * 8 * 8, max_pixels=64 * 8 * 8, patch_size=4, merge_size=2,
                                       temporal_patch_size=2)
-    processor = _qwen2_vl_processor(images, tok)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if version == "2.5":
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+        from transformers import Qwen2_5_VLProcessor
+        processor = _qwen2_vl_processor(images, tok, Qwen2_5_VLProcessor)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16,
+                      fullatt_block_indexes=[1])
+    else:
+        from transformers import Qwen2VLConfig as Config
+        from transformers import Qwen2VLForConditionalGeneration as Model
+        processor = _qwen2_vl_processor(images, tok)
     ids = tok.convert_tokens_to_ids
-    config = Qwen2VLConfig(
+    config = Config(
         text_config=dict(vocab_size=len(tok), rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          **TEXT),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        vision_config=vision,
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
     config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
     with _seeded(seed):
-        model = Qwen2VLForConditionalGeneration(config)
+        model = Model(config)
     _scale_embeddings(model, seed)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.bos_token_id = tok.bos_token_id
     return model.eval(), processor
+
+
+def tiny_qwen2_5_vl(seed: int = 0):
+    """A tiny random ``Qwen2_5_VLForConditionalGeneration`` (window attention in vision block 0, windows of
+    2x2 merged tokens) and its ``Qwen2_5_VLProcessor``: ``(model, processor)``."""
+    return tiny_qwen2_vl(seed, version="2.5")
 
 
 def random_image(height: int, width: int, seed: int = 0):

@@ -333,7 +333,8 @@ class VisionRun(_VisionHost, LMRun):
         if lm.family == "qwen2_vl":   # M-RoPE positions, counting real tokens only (as a solo run would)
             kw = self.vision.image_kwargs
             call["position_ids"], _ = lm.module.model.get_rope_index(
-                batch.input_ids, kw["mm_token_type_ids"], kw.get("image_grid_thw"), None, batch.attention_mask)
+                batch.input_ids, mm_token_type_ids=kw["mm_token_type_ids"], image_grid_thw=kw.get("image_grid_thw"),
+                attention_mask=batch.attention_mask)
         elif lm.takes_position_ids:
             call["position_ids"] = batch.position_ids
         from ...hooks.batching import forward_kwargs
