@@ -65,6 +65,42 @@ def rounds(fns, repeats):
     return times
 
 
+def text_reference(repeats):
+    """The same measurement on a text model of the same language-model size (``LanguageModel`` on tiny_llama)."""
+    from asyncinterp.models.hf.bundled import tiny_llama
+    from asyncinterp.models.hf.tiny_vision import TEXT
+    hf, tok = tiny_llama(**{k: v for k, v in TEXT.items() if k != "max_position_embeddings"})
+    model = ai.LanguageModel(hf, tok)
+    inputs = dict(tok(["A prompt of about twenty tokens, as long as the image prompts of the tiny models"],
+                      return_tensors="pt"))
+    layers = list(hf.model.layers)
+
+    def plain():
+        return hf(**inputs)
+
+    def hooked():
+        seen = []
+        handles = [m.register_forward_hook(lambda mod, a, o: seen.append(first(o))) for m in layers]
+        try:
+            hf(**inputs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    async def read_all(m):
+        return [await layer.output for layer in m.model.layers]
+
+    def ours():
+        return model.trace(inputs, read_all)
+
+    times = rounds([plain, hooked, ours], repeats)
+    base, hand, mine = (statistics.median(t) for t in times)
+    ratio = statistics.median(m / h for m, h in zip(times[2], times[1]))
+    diff = statistics.median(m - h for m, h in zip(times[2], times[1]))
+    return (f"| text only (LanguageModel, tiny Llama of the same size) | {len(layers)} LM | {base:.2f} | {hand:.2f} | "
+            f"{mine:.2f} | {ratio:.2f}x | {diff:+.2f} | | | |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=41)
@@ -125,6 +161,8 @@ def main():
                      f"| {base:.2f} | {hand:.2f} | {mine:.2f} | {ratio:.2f}x | {diff:+.2f} | {hand_raw:.2f} | "
                      f"{mine_raw:.2f} | {ratio_raw:.2f}x |")
         print(lines[-1], flush=True)
+    lines.append(text_reference(args.repeats))
+    print(lines[-1], flush=True)
     table = "\n".join(lines)
     print()
     print(table)
