@@ -144,3 +144,39 @@ def test_bad_inputs_say_what_to_do(vlm):
             run.invoke(ph, last_logits, images=[CAT], temperature=0.5)
     with pytest.raises(TypeError, match="cannot use int"):
         model.trace(3, last_logits)
+
+
+def test_gradient_at_the_projector_is_per_invoke(vlm):
+    """``await m.projector.output.grad`` gives each invoke the gradient of its own image features (= solo autograd)."""
+    model, hf, processor = vlm
+    ph = model.image_placeholder
+    cases = [(ph + " one", [CAT]), ("a longer " + ph + " two", [DOG])]
+
+    async def grad_of_features(m):
+        g = await ai.spawn(m.projector.output.grad)      # resumed during the backward pass
+        return (await g).clone()
+
+    async def backward(m):                               # no input: the whole batch (last column: real tokens)
+        out = await m.lm_head.output
+        await m.backward(out[:, -1].logsumexp(-1).sum())
+
+    torch.set_grad_enabled(True)
+    try:
+        with model.trace() as run:
+            got = [run.invoke(text, grad_of_features, images=imgs) for text, imgs in cases]
+            run.invoke(backward)
+        for inv, (text, imgs) in zip(got, cases):
+            seen = []
+
+            def keep(mod, args, out):
+                out.register_hook(lambda g: seen.append(g.clone()))
+            handle = model.projector.module.register_forward_hook(keep)
+            try:
+                out = hf(**processor(text=[text], images=imgs, return_tensors="pt")).logits
+                out[:, -1].logsumexp(-1).sum().backward()
+            finally:
+                handle.remove()
+            torch.testing.assert_close(inv.result, seen[0], **TOL)
+    finally:
+        hf.zero_grad(set_to_none=True)
+        torch.set_grad_enabled(False)

@@ -309,6 +309,19 @@ class _VisionHost:
     def input_hook(self, point):
         return self._in_region(point, super().input_hook(point))
 
+    def fire(self, point, value, interrupt: bool = True):
+        # extension points (gradients, semantic parts) of a vision module fire outside its module hooks
+        envoy = getattr(point, "envoy", None)
+        vision = self.vision
+        if vision is None or envoy is None or id(envoy.module) not in self.model.vision_modules \
+                or self.layout is vision.image_layout:
+            return super().fire(point, value, interrupt)
+        text, self.layout = self.layout, vision.image_layout
+        try:
+            return super().fire(point, value, interrupt)
+        finally:
+            self.layout = text
+
     def _in_region(self, point, hook):
         if id(point.envoy.module) not in self.model.vision_modules or point.envoy.attached:
             return hook
