@@ -9,6 +9,8 @@ engine                        where
 :class:`ForwardEngine`        one forward of any wrapped ``nn.Module`` (this module)
 ``LMForwardEngine``           one forward of a transformers LM, prompts left-padded (``models.hf.runs``)
 ``LMGenerateEngine``          a transformers generation, one kernel step per pass (``models.hf.runs``)
+``VisionForwardEngine``       one forward of a vision-language model, images per invoke (``models.hf.vision``)
+``VisionGenerateEngine``      its generation (``models.hf.vision``)
 ``VLLMEngine``                a job joining the live vLLM engine loop (``models.vllm``)
 ``ScanEngine``                any engine's forward with fake tensors (``tools.scan``)
 serving fronts                a batch of requests coalesced into one job (``serve.batcher``)
