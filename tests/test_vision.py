@@ -240,7 +240,5 @@ def test_image_tokens_errors(vlm):
     with pytest.raises(ValueError, match="prompt pass"):
         model.generate(text, decode_step, images=imgs, max_new_tokens=2)
 
-    async def outside(m):
-        return None
     with pytest.raises(ai.NotInRunError):
         model.image_tokens(torch.zeros(1, 3, 4))

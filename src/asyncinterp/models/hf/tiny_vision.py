@@ -22,12 +22,10 @@ embeddings are drawn at unit scale so that edits move greedy decoding.
 from __future__ import annotations
 
 import contextlib
-import os
-from pathlib import Path
 
 import torch
 
-__all__ = ["random_image", "save_vision_model", "tiny_llava", "tiny_qwen2_5_vl", "tiny_qwen2_vl"]
+__all__ = ["random_image", "tiny_llava", "tiny_qwen2_5_vl", "tiny_qwen2_vl"]
 
 #: the text model of both tiny models (head_dim 32: a size vLLM's CPU attention takes)
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -149,16 +147,3 @@ def random_image(height: int, width: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
     return Image.fromarray(pixels.numpy())
-
-
-def save_vision_model(model, processor, path) -> Path:
-    """Save ``model`` and ``processor`` to ``path`` (a directory ``from_pretrained`` and vLLM load)."""
-    path = Path(path)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    if getattr(processor, "video_processor", True) is None:   # (tiny_qwen2_vl's: transformers cannot save it whole)
-        processor.tokenizer.save_pretrained(path)
-        processor.image_processor.save_pretrained(path)
-    else:
-        processor.save_pretrained(path)
-    return path
