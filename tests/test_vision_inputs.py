@@ -180,3 +180,29 @@ def test_gradient_at_the_projector_is_per_invoke(vlm):
     finally:
         hf.zero_grad(set_to_none=True)
         torch.set_grad_enabled(False)
+
+
+def test_unknown_model_types_and_uncropped_images_are_refused():
+    """A LLaVA-style model of another type (LLaVA-NeXT tiles images) is refused by name; images processed to
+    different sizes cannot share a LLaVA vision tower: a clear error, not a wrong batch."""
+    import copy
+
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    hf, processor = tiny_llava()
+    other = copy.copy(hf.config)
+    other.model_type = "llava_next"
+    original = hf.config
+    hf.config = other
+    try:
+        with pytest.raises(TypeError, match="model_type 'llava_next'"):
+            ai.LanguageModel(hf, processor)
+    finally:
+        hf.config = original
+    uncropped = copy.copy(processor)
+    uncropped.image_processor = CLIPImageProcessorPil(size={"shortest_edge": 16}, do_center_crop=False)
+    model = ai.VisionLanguageModel(hf, uncropped)
+    with pytest.raises(ValueError, match="different sizes"):
+        with model.trace() as run:
+            run.invoke("<image> a", last_logits, images=[CAT])
+            run.invoke("<image> b", last_logits, images=[DOG])

@@ -48,6 +48,8 @@ _PARTS = {
     "qwen2_vl": ("model.visual", "model.visual.merger", "model.language_model"),
 }
 _PLACEHOLDER = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+#: family -> the transformers model types whose inputs batch as that family does (checked by the tests)
+_MODEL_TYPES = {"llava": ("llava",), "qwen2_vl": ("qwen2_vl", "qwen2_5_vl")}
 
 
 def _get(module, path):
@@ -68,7 +70,11 @@ def family_of(model) -> str | None:
 
 
 def is_vision_language_model(model) -> bool:
-    """Whether ``model`` is a transformers vision-language model this module supports."""
+    """Whether ``model`` has the parts of a vision-language model (a vision tower, a projector, a language model).
+
+    ``ai.LanguageModel(model, processor)`` makes a :class:`VisionLanguageModel` of it, which refuses model
+    types whose inputs it does not know how to batch.
+    """
     return hasattr(model, "config") and family_of(model) is not None
 
 
@@ -81,6 +87,13 @@ class VisionLanguageModel(LanguageModel):
             raise TypeError(f"VisionLanguageModel supports LLaVA-style (model.vision_tower, multi_modal_projector) "
                             f"and Qwen2-VL-style (model.visual with a merger) models, got {type(model).__name__}; "
                             "use ai.LanguageModel for a text model")
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in _MODEL_TYPES[family]:
+            supported = [t for types in _MODEL_TYPES.values() for t in types]
+            raise TypeError(f"VisionLanguageModel supports the model types {supported}; {type(model).__name__} "
+                            f"(model_type {model_type!r}) has {family}-style parts but its own image inputs "
+                            "(tiling, image sizes, videos), which are not handled; wrap it with ai.wrap(model) to "
+                            "read its modules without per-invoke images")
         if processor is not None and not hasattr(processor, "image_processor"):
             raise TypeError(f"a vision-language model needs its processor (AutoProcessor.from_pretrained(path): "
                             f"tokenizer and image processor), got {type(processor).__name__}")
