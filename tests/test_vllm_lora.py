@@ -161,6 +161,13 @@ def test_batched_requests_each_get_their_adapter(setup):
             torch.testing.assert_close(g, s, atol=1e-5, rtol=0)
     torch.testing.assert_close(invs[0].result[3], hf_trace(lm, read, "red")[3], atol=1e-4, rtol=0)
     torch.testing.assert_close(invs[1].result[3], hf_trace(lm, read, "blue")[3], atol=1e-4, rtol=0)
+    with vm.trace(adapter="blue") as run:          # a with block's default; an invoke may name its own
+        x = run.invoke(PROMPT, read)
+        y = run.invoke(OTHER, read, adapter="red")
+    torch.testing.assert_close(x.result[3], invs[1].result[3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(y.result[3], invs[3].result[3], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="no adapter 'green'"):
+        vm.trace(adapter="green")
     assert (invs[0].result[3] - invs[1].result[3]).abs().max() > 1e-2
 
 

@@ -42,6 +42,7 @@ process; :mod:`.stream` turns a job's tokens into events (:meth:`VLLM.astream`).
 from __future__ import annotations
 
 from ...job import Job, Trace
+from ...model import _NOTHING
 from ..generating import GeneratingModel
 from .engine import VLLMEngine
 from .environment import (
@@ -201,6 +202,18 @@ class VLLM(GeneratingModel, VLLMRoot):
         return execution
 
     # ------------------------------------------------------------------ API
+    def trace(self, input=_NOTHING, *fns, on_error: str = "stop", adapter=None, **kwargs):
+        """``Model.trace``; ``adapter=``: the LoRA adapter of the request(s) (a ``with`` block: every invoke's default)."""
+        if input is _NOTHING and not fns:
+            if kwargs:
+                raise TypeError(f"model.trace() without a prompt takes no {sorted(kwargs)}: give sampling "
+                                "keywords to each run.invoke(...)")
+            self.lora.request(adapter)                     # an unknown adapter fails here
+            return Trace(self, "trace", on_error, generation=None if adapter is None else {"adapter": adapter})
+        if adapter is not None:
+            kwargs["adapter"] = adapter
+        return VLLMRoot.trace(self, input, *fns, on_error=on_error, **kwargs)
+
     async def astream(self, input, *fns, max_new_tokens: int = 20, on_error: str = "stop", **sampling):
         """Generate for one prompt, yielding events as the engine produces them (``async for ev in ...``).
 
