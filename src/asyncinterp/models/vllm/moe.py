@@ -22,6 +22,11 @@ What vLLM computes, and so what each point is:
   on the block's input with router logits that send every token to that
   expert alone (E extra expert calls; the CPU kernel repacks the experts'
   weights, so they are not read directly). Read-only.
+
+Under tensor parallelism (tested at 2 on CPU) every rank runs the same
+intervention: the gate is replicated, and the fused experts all-reduce their
+partial sums inside the layer, so all three points are full values on every
+rank. Expert parallelism is not tested.
 """
 
 from __future__ import annotations
