@@ -206,3 +206,14 @@ def test_adapter_errors_without_engine():
         lora_engine_kwargs({}, {"red": "/nonexistent"})
     with pytest.raises(TypeError, match="lora_modules must be a dict"):
         lora_engine_kwargs({}, ["/x"])
+
+
+def test_add_adapter_on_a_running_engine(setup):
+    _, vm, _, dirs = setup
+    vm.add_adapter("red-again", dirs["red"])               # the same weights under another name (and LoRA id)
+    assert vm.adapters == ["red", "blue", "red-again"]
+    again, red = vm.trace(PROMPT, read, adapter="red-again"), vm.trace(PROMPT, read, adapter="red")
+    for a, r in zip(again, red):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="already registered"):
+        vm.add_adapter("red", dirs["blue"])
