@@ -207,3 +207,26 @@ def test_dense_model_has_no_router():
     lm = ai.LanguageModel(model, tok)
     with pytest.raises(ModulePathError, match="router"):
         lm.layers[0].mlp.router  # noqa: B018
+
+
+def test_router_with_another_rule_is_a_loud_error():
+    """A router that takes the top-k *before* the softmax (as GPT-OSS does): re-routing by softmax -> top-k would
+    be wrong, so an edit of its logits raises instead of being ignored or mis-applied."""
+    from asyncinterp.hooks.moe import MoEPointError
+    model, tok = tiny_moe("mixtral")
+    gate = model.model.layers[0].mlp.gate
+
+    def forward(hidden_states, mod=gate):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, mod.hidden_dim), mod.weight)
+        top, idx = torch.topk(logits, mod.top_k, dim=-1)
+        return logits, torch.sigmoid(top), idx            # not what softmax -> top-k gives
+
+    gate.forward = forward
+    lm = ai.LanguageModel(model, tok)
+
+    async def read(m):
+        return (await m.layers[0].mlp.router).clone()
+
+    assert lm.trace(PROMPTS[0], read).shape[-1] == 4      # reading is fine
+    with pytest.raises(MoEPointError, match="does not route by softmax"):
+        lm.trace(PROMPTS[0], mask_top)

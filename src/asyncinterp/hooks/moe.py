@@ -20,7 +20,10 @@ no-op), and a flat ``[b * n]`` value cannot be split into invokes. Here:
   intervention, if the logits changed (in place or replaced), the top-k
   weights and indices are computed again from them exactly as the router
   does (softmax in float32, top-k, renormalised when the router does), so a
-  mask or an edit takes effect.
+  mask or an edit takes effect. Before that, the rule is checked against
+  what the router itself returned for the unedited logits: a router with
+  another rule (sigmoid, top-k before softmax...) makes the edit a
+  :class:`MoEPointError`, never a silent no-op or a wrong routing.
 * ``gate.output`` on such a block is the same firing shown as the router's
   own tuple ``(logits [b, n, E], weights [b, n, k], indices [b, n, k])``;
   an edit of ``[0]`` is routed again like ``router``; edits of the weights
@@ -48,7 +51,7 @@ from .envoy import Envoy, point, register_envoy_class
 from .modules import add_forward_hook, add_forward_pre_hook, submodules
 from .points import Point
 
-__all__ = ["MOE_NAMES", "MoEPoint", "moe_point", "route", "is_moe_block"]
+__all__ = ["MOE_NAMES", "MoEPoint", "MoEPointError", "moe_point", "route", "check_rule", "is_moe_block"]
 
 MOE_NAMES = ("router", "per_expert", "routed")
 
@@ -77,6 +80,19 @@ def route(router, logits, like_weights):
     if getattr(router, "norm_topk_prob", True):          # Mixtral always renormalises
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(like_weights.dtype), indices
+
+
+def check_rule(path, router, logits, weights, indices) -> None:
+    """Raise unless :func:`route` gives what ``router`` gave for ``logits`` (so re-routing an edit is faithful)."""
+    w, i = route(router, logits, weights)
+    order_a, order_b = indices.sort(-1), i.sort(-1)
+    same = torch.equal(order_a.values, order_b.values) and torch.allclose(
+        weights.gather(-1, order_a.indices), w.gather(-1, order_b.indices), atol=1e-6, rtol=1e-5)
+    if not same:
+        raise MoEPointError(
+            f"{path}: the router logits were edited, but {type(router).__name__} does not route by softmax -> "
+            "top-k (-> renormalise), the rule asyncinterp re-routes with, so the edit cannot be applied "
+            "faithfully. Edit .routed, or replace the whole gate.output tuple (logits, weights, indices)")
 
 
 def _read_only(label):
@@ -177,6 +193,7 @@ def _install(run, block, active):
             if new is not None:
                 new_logits, new_w, new_i = (t.reshape(o.shape) for t, o in zip(new, output))
         if new_w is weights and new_i is indices and not torch.equal(new_logits, before):
+            check_rule(block.path, mod, before, weights, indices)   # the rule must reproduce the router's own
             new_w, new_i = route(mod, new_logits, weights)           # the logits changed: route again
         if new_logits is logits and new_w is weights and new_i is indices:
             return None
