@@ -14,7 +14,7 @@ import threading
 from threading import get_ident
 
 from .engine import ForwardEngine
-from .hooks.envoy import Envoy
+from .hooks.envoy import Envoy, special_envoy_class
 from .hooks.modules import submodules
 from .kernel.errors import NotInRunError
 from .kernel.scheduler import current_kernel, current_task
@@ -74,7 +74,7 @@ class Model(Envoy):
             for cls in type(module).__mro__:
                 if cls in classes:
                     return classes[cls]
-        return Envoy
+        return special_envoy_class(module)
 
     def needs_order_recording(self) -> bool:
         """True until one complete run has recorded the module call order."""

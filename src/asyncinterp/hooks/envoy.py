@@ -26,8 +26,24 @@ _BASE_KINDS = ("output", "inputs")
 
 #: TransformerLens's names, looked up on a miss only (see asyncinterp.hooks.semantic)
 SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
-                            "logits"))
+                            "logits", "router", "per_expert", "routed"))   # (the last three: MoE blocks, hooks/moe.py)
 _semantic = {"build": None}
+
+
+_special_envoys: list = []   # (test(module) -> bool, envoy class): e.g. MoE routers (asyncinterp.hooks.moe)
+
+
+def register_envoy_class(test, cls) -> None:
+    """Make modules for which ``test(module)`` is true get envoys of class ``cls`` (unless the user chose one)."""
+    _special_envoys.append((test, cls))
+
+
+def special_envoy_class(module) -> type:
+    """The envoy class registered for ``module`` (:func:`register_envoy_class`), else :class:`Envoy`."""
+    for test, cls in _special_envoys:
+        if test(module):
+            return cls
+    return Envoy
 
 
 def register_semantic(builder) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from ..kernel.errors import AsyncInterpError, ReplacementError
 from .envoy import SEMANTIC_NAMES, HookPoint, register_semantic
+from .moe import MOE_NAMES, moe_point
 from .modules import add_forward_hook, submodules
 from .points import Point
 from .views import check_replacement
@@ -42,7 +43,7 @@ LAYER_NAMES = ("resid_pre", "resid_mid", "resid_post")
 ATTN_NAMES = ("q", "k", "v", "pattern")
 MLP_NAMES = ("pre", "post")
 ROOT_NAMES = ("logits",)
-NAMES = frozenset(LAYER_NAMES + ATTN_NAMES + MLP_NAMES + ROOT_NAMES)
+NAMES = frozenset(LAYER_NAMES + ATTN_NAMES + MLP_NAMES + ROOT_NAMES + MOE_NAMES)
 assert NAMES == SEMANTIC_NAMES
 
 
@@ -186,6 +187,8 @@ _ACT_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
 
 def transformers_point(envoy, name: str):
     """The semantic point ``name`` of ``envoy`` on a transformers model (GPT-2 / Llama families), or ``None``."""
+    if name in MOE_NAMES:
+        return moe_point(envoy, name)
     if name in LAYER_NAMES:
         attn, mlp, mlp_norm = _find(envoy, "attn"), _find(envoy, "mlp"), _find(envoy, "mlp_norm")
         if attn is None or mlp is None:

@@ -42,6 +42,7 @@ process; :mod:`.stream` turns a job's tokens into events (:meth:`VLLM.astream`).
 from __future__ import annotations
 
 from ...job import Job, Trace
+from ...model import _NOTHING
 from ..generating import GeneratingModel
 from .engine import VLLMEngine
 from .environment import (
@@ -55,6 +56,7 @@ from .environment import (
 )
 from .jobs import LiveJob
 from .loop import EngineClosed, EngineLoop
+from .lora import Adapters, lora_engine_kwargs
 from .requests import VLLMInvoke
 from .stream import StreamListener
 from .worker import VLLMRoot, rpc_cancel, rpc_init, rpc_poll, rpc_shutdown
@@ -74,15 +76,17 @@ class VLLM(GeneratingModel, VLLMRoot):
 
     ``VLLM(model_dir, **engine_kwargs)``: ``engine_kwargs`` go to
     ``vllm.LLM`` (``dtype``, ``max_model_len``, ``kv_cache_memory_bytes``,
-    ``tensor_parallel_size``, ``seed``, ...). ``enforce_eager`` is forced on
+    ``tensor_parallel_size``, ``seed``, ...); ``lora_modules={name: peft_dir}``
+    registers LoRA adapters that requests choose with ``adapter=name`` (see
+    :mod:`.lora`). ``enforce_eager`` is forced on
     (hooks do not fire in a compiled model) and the engine core runs in this
     process. The envoy tree mirrors vLLM's model: ``m.model.layers[i]``,
     ``.self_attn.qkv_proj``, ``.mlp.gate_up_proj``, ``m.logits_processor``,
     plus ``m.logits``, ``m.tokens`` and ``layers[i].hidden``.
     """
 
-    def __init__(self, model_dir, tokenizer=None, **engine_kwargs):
-        kw = check_engine_kwargs(engine_kwargs)
+    def __init__(self, model_dir, tokenizer=None, lora_modules=None, **engine_kwargs):
+        kw = lora_engine_kwargs(check_engine_kwargs(engine_kwargs), lora_modules)
         tp = int(kw.get("tensor_parallel_size", 1) or 1)
         prepare_environment(tp)
         try:
@@ -129,6 +133,16 @@ class VLLM(GeneratingModel, VLLMRoot):
         init(self, "local_session", local)           #: the WorkerSession in this process (TP=1), else None
         init(self, "max_model_len", getattr(engine.vllm_config.model_config, "max_model_len", None))
         init(self, "_engines", _engines_of(self))
+        init(self, "lora", Adapters(lora_modules, bool(kw.get("enable_lora"))))   #: adapters by name (:mod:`.lora`)
+
+    @property
+    def adapters(self) -> list:
+        """The names of the LoRA adapters requests can choose with ``adapter=`` (see :mod:`.lora`)."""
+        return self.lora.names
+
+    def add_adapter(self, name: str, path) -> None:
+        """Register a peft LoRA directory as adapter ``name`` (the engine must have been started with LoRA)."""
+        self.lora.add(name, str(path))
 
     @property
     def closed(self) -> bool:
@@ -188,6 +202,18 @@ class VLLM(GeneratingModel, VLLMRoot):
         return execution
 
     # ------------------------------------------------------------------ API
+    def trace(self, input=_NOTHING, *fns, on_error: str = "stop", adapter=None, **kwargs):
+        """``Model.trace``; ``adapter=``: the LoRA adapter of the request(s) (a ``with`` block: every invoke's default)."""
+        if input is _NOTHING and not fns:
+            if kwargs:
+                raise TypeError(f"model.trace() without a prompt takes no {sorted(kwargs)}: give sampling "
+                                "keywords to each run.invoke(...)")
+            self.lora.request(adapter)                     # an unknown adapter fails here
+            return Trace(self, "trace", on_error, generation=None if adapter is None else {"adapter": adapter})
+        if adapter is not None:
+            kwargs["adapter"] = adapter
+        return VLLMRoot.trace(self, input, *fns, on_error=on_error, **kwargs)
+
     async def astream(self, input, *fns, max_new_tokens: int = 20, on_error: str = "stop", **sampling):
         """Generate for one prompt, yielding events as the engine produces them (``async for ev in ...``).
 

@@ -34,11 +34,16 @@ class VLLMEngine:
         ``kwargs``: ``sampling_params`` (a ``vllm.SamplingParams``) or keywords
         (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
         ``do_sample``, any ``SamplingParams`` field) for this request's own
-        sampling; the rest come from the job (greedy by default).
+        sampling; the rest come from the job (greedy by default). ``adapter``:
+        the LoRA adapter of this request (a name of ``lora_modules``, see :mod:`.lora`).
         """
         sampling = dict(kwargs)
+        adapter = sampling.pop("adapter", None)
         given = sampling.pop("sampling_params", None)
         options = sampling if given is None else {**sampling, "sampling_params": given}
+        if adapter is not None:
+            self.model.lora.request(adapter)          # an unknown adapter fails here, on the caller's line
+            options = {**options, "adapter": adapter}
         inv = describe_invoke(index, input, fns, None, deferred, VLLMInvoke, options)
         input = inv.spec.input   # (``invoke(fn)``: no prompt, describe_invoke moved fn to the interventions)
         if input is None:

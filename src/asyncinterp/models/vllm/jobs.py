@@ -71,6 +71,7 @@ class LiveJob:
             if inv.prompt_ids is None:
                 inv.prompt_ids = engine.prompt_of(inv.spec.input)
             inv.params = request_params(job.kind, job.generation, inv.spec.options)
+            inv.lora_request = model.lora.request(inv.spec.options.get("adapter", (job.generation or {}).get("adapter")))
         self.key = None               # the job key (the loop sets it)
         self.pending = set()          # ids of this job's requests still in the engine
         self.submitted = False
@@ -173,7 +174,7 @@ class LiveJob:
                 salt = self.cache_salt(inv)
                 if salt is not None:
                     prompt["cache_salt"] = salt
-                internal[inv.index] = engine.add_request(ext, prompt, inv.params)
+                internal[inv.index] = engine.add_request(ext, prompt, inv.params, lora_request=inv.lora_request)
                 inv.request_id = ext
                 self._by_id[ext] = inv
                 self.pending.add(ext)

@@ -583,6 +583,9 @@ def attention_probs(q, keys, pos, module, label):
 def vllm_semantic_point(root, envoy, name):
     """The semantic point ``name`` of ``envoy`` on a vLLM model (see asyncinterp.hooks.semantic), or ``None``."""
     from ...hooks import semantic as sem
+    if name in sem.MOE_NAMES:
+        from .moe import vllm_moe_point
+        return vllm_moe_point(envoy, name)
     subs = submodules(envoy.module)
     if name in sem.LAYER_NAMES:
         if id(envoy.module) not in root.layer_ids:

@@ -40,6 +40,7 @@ class VLLMInvoke(GeneratedInvoke):
         self.prompt_ids = None
         self.params = None
         self.request_id = None       # our (external) vLLM request id
+        self.lora_request = None     # the request's LoRA adapter (vllm LoRARequest), None: the base model
         self.token_ids = []
         self.text_pieces = []        # vLLM's detokenized text, one piece per engine step
         self.finish_reason = None
@@ -84,6 +85,9 @@ def request_params(kind: str, generation: Mapping, options: Mapping):
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
+    if "adapter" in options or "adapter" in generation:    # the request's LoRA adapter, not a sampling field
+        options = {k: v for k, v in options.items() if k != "adapter"}
+        generation = {k: v for k, v in generation.items() if k != "adapter"}
     given = options.get("sampling_params")
     if given is not None:
         params = given.clone()

@@ -44,7 +44,8 @@ PRIVATE_ATTRIBUTE = "_"
 PRIVATE_NAME = "__"
 # the only attribute assignments allowed (`m.layer.output = value`, a single target): hook points of the model
 ASSIGNABLE_POINTS = frozenset({"output", "input", "inputs", "logits", "tokens",
-                               "resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post"})
+                               "resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
+                               "router", "per_expert", "routed"})
 
 # --------------------------------------------------------------------------- modules
 # `import m`, `import m as x`, `from m import name` of these only (no relative imports, no `import *`)
