@@ -56,7 +56,7 @@ __all__ = [
 def __getattr__(name):
     # Language-model support needs transformers: imported on first use only.
     if name in ("LanguageModel", "Generation"):
-        from .models.hf import language, lora, runs  # noqa: F401 (lora: LanguageModel(peft_model) support)
+        from .models.hf import language, lora, runs, tp  # noqa: F401 (lora, tp: LanguageModel(peft / TP model))
         return getattr(language, name, None) or getattr(runs, name)
     if name in ("DiffusionModel", "DiffusionInvoke"):  # needs diffusers: imported on first use only
         from .models import diffusion
