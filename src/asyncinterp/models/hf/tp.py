@@ -40,12 +40,23 @@ ACT_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
 
 
 def is_tp_model(model) -> bool:
-    """Whether ``model`` is a transformers model sharded by its tensor-parallel plan (over more than one rank)."""
+    """Whether ``model`` is a transformers model whose parameters its tensor-parallel plan sharded.
+
+    A model loaded with ``tp_plan="auto"`` but without a plan for its
+    architecture (GPT-2 in transformers 5.19) keeps whole parameters on every
+    rank: it is not sharded, and a plain :class:`LanguageModel` runs it.
+    """
     try:
         size = getattr(model, "tp_size", None)
     except Exception:  # noqa: BLE001 - not a transformers model
         return False
-    return isinstance(size, int) and size > 1
+    if not isinstance(size, int) or size <= 1:
+        return False
+    try:
+        _mesh_of(model)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _mesh_of(model):
