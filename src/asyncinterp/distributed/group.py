@@ -76,7 +76,8 @@ def timeout_s() -> float:
     return _state["timeout"]
 
 
-def _store():
+def store():
+    """The process group's own key-value store (rendezvous), for messages that must not be collectives."""
     from torch.distributed import distributed_c10d
     return distributed_c10d._get_default_store()   # the group's own rendezvous store
 
@@ -109,31 +110,31 @@ def agree(error=None):
         return
     me, world = dist.get_rank(), dist.get_world_size()
     seq = _state["seq"] = _state["seq"] + 1
-    store = _store()
+    kv = store()
     prefix = f"asyncinterp/run/{seq}/"
-    store.set(prefix + str(me), "ok" if error is None else f"rank {me}: " + describe(error))
+    kv.set(prefix + str(me), "ok" if error is None else f"rank {me}: " + describe(error))
     if seq > 2:
         try:
-            store.delete_key(f"asyncinterp/run/{seq - 2}/{me}")
+            kv.delete_key(f"asyncinterp/run/{seq - 2}/{me}")
         except Exception:  # noqa: BLE001 - cleanup only
             pass
     if error is not None and not is_collective_error(error):
         raise error          # this rank's own intervention failed: its own traceback says best
     keys = [prefix + str(r) for r in range(world)]
     try:
-        store.wait(keys, timedelta(seconds=_state["timeout"]))
+        kv.wait(keys, timedelta(seconds=_state["timeout"]))
     except Exception as exc:  # noqa: BLE001 - a rank that never reports (crashed, killed)
         gone = []
         for r in range(world):
             try:
-                if not store.check([keys[r]]):
+                if not kv.check([keys[r]]):
                     gone.append(r)
             except Exception:  # noqa: BLE001
                 gone.append(r)
         raise RankFailedError(
             f"rank(s) {gone} of the tensor-parallel job did not report the end of run {seq} within "
             f"{_state['timeout']:.0f} s (crashed, killed, or stuck)") from (error or exc)
-    texts = {r: store.get(keys[r]).decode("utf-8", "replace") for r in range(world)}
+    texts = {r: kv.get(keys[r]).decode("utf-8", "replace") for r in range(world)}
     failed = {r: t for r, t in texts.items() if t != "ok" and r != me}
     if failed:
         first = min(failed)
