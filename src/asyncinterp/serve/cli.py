@@ -24,6 +24,8 @@ import logging
 import os
 import sys
 
+from .startup import load_interventions, setup_logging  # noqa: F401 (their home was here)
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an argparse ``subparsers`` (sets ``func``)."""
@@ -179,31 +181,6 @@ def gpt2_small(seed: int = 0):
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(config).eval()
     return LanguageModel(model, tok)
-
-
-def load_interventions(server, path: str) -> None:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"asyncinterp_user_interventions_{abs(hash(path))}", path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"cannot load interventions from {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    register = getattr(module, "register", None)
-    if register is None:
-        raise ValueError(f"{path} must define register(server), which adds interventions with "
-                         "@server.intervention('name')")
-    register(server)
-
-
-def setup_logging(fmt: str, level: str) -> None:
-    from .app import JsonFormatter
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s %(message)s %(fields)s", defaults={"fields": ""}))
-    logger = logging.getLogger("asyncinterp.serve")
-    logger.handlers[:] = [handler]
-    logger.setLevel(level.upper())
-    logger.propagate = False
 
 
 def run(args) -> int:

@@ -146,7 +146,7 @@ def _load(args):
 
 
 def _lead(args, model, keys, channel) -> int:
-    from .cli import load_interventions
+    from .startup import load_interventions
     log = logging.getLogger("asyncinterp.serve")
     batcher = _LeaderBatcher(model, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                              max_queue=args.max_queue, exact=args.exact, name=f"serve-{args.model}")
@@ -168,7 +168,7 @@ def _lead(args, model, keys, channel) -> int:
 
 
 def _follow(args, model, keys, channel) -> int:
-    from .cli import load_interventions
+    from .startup import load_interventions
     server = Server(model, **_server_kwargs(args, keys))
     for path in args.interventions:
         load_interventions(server, path)
@@ -194,7 +194,7 @@ def _follow(args, model, keys, channel) -> int:
 
 def main() -> int:
     from ..distributed import init, rank
-    from .cli import setup_logging
+    from .startup import setup_logging
     args = argparse.Namespace(**json.loads(os.environ[_ENV]))
     setup_logging(args.log_format, args.log_level)
     init()
