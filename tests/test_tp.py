@@ -110,6 +110,13 @@ def test_gpt2_has_no_plan_and_runs_replicated(ranks):
     assert got["wrapped"] == "LanguageModel" and got["reads_equal"]
 
 
+def test_docs_page_runs_on_two_ranks(ranks):
+    for rank in (0, 1):
+        got = result(ranks, "docs_page", rank)
+        assert got["blocks"] >= 4
+    assert ranks[0]["docs_page"]["generated"] == ranks[1]["docs_page"]["generated"]
+
+
 def test_a_failing_rank_is_a_clear_error_on_rank_0(ranks):
     zero, one = ranks[0]["failure"], ranks[1]["failure"]
     assert one["raised"] == "ValueError"                               # the failing rank: its own exception

@@ -333,6 +333,15 @@ def failure_phase(two, out_dir):
     write(out_dir)
 
 
+def docs_check(path):
+    @check
+    def docs_page():
+        from docsnippets import python_blocks, run_page
+        ns = run_page("tensor-parallel.md", {"MODEL_DIR": path})
+        return {"blocks": len(python_blocks("tensor-parallel.md")), "top": ns["top"].tolist(),
+                "generated": ns["gen"].tokens.tolist()}
+
+
 def write(out_dir):
     with open(os.path.join(out_dir, f"rank{tp.rank()}.json"), "w") as f:
         json.dump(RESULTS, f)
@@ -351,6 +360,7 @@ def main(out_dir):
     llama_checks(one, two)
     colrow_checks()
     gpt2_check(os.path.join(out_dir, "gpt2"))
+    docs_check(path)
     write(out_dir)
     failure_phase(two, out_dir)
 
