@@ -81,12 +81,17 @@ def _has_dtensor(value):
     return False
 
 
+_DTENSOR = []
+
+
 def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:   # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:   # pragma: no cover - torch built without distributed
+            DTensor = None
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
 
 
 class Sharding:
