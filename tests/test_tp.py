@@ -90,6 +90,10 @@ def test_generation_with_per_step_edit_gives_tp1_tokens(ranks):
     assert all(s[-1] == 64 for s in got["q_shapes_tp2"])
 
 
+def test_sampling_without_a_seed_draws_the_same_tokens_on_every_rank(ranks):
+    assert result(ranks, "llama_sampling", 0)["tokens"] == result(ranks, "llama_sampling", 1)["tokens"]
+
+
 def test_activation_cache_during_generation(ranks):
     got = result(ranks, "llama_generate_cache")
     assert got["steps"] == [3, 3] and got["shapes"][0] == got["shapes"][1]

@@ -226,6 +226,12 @@ def llama_checks(one, two):
                 "q_shapes_tp2": g2.result, "q_shapes_tp1": g1.result}
 
     @check
+    def llama_sampling():
+        # no seed given: the ranks take rank 0's (else each would draw its own tokens)
+        g = two.generate(PROMPTS[0], max_new_tokens=8, do_sample=True)
+        return {"tokens": g.tokens.tolist()}
+
+    @check
     def llama_generate_cache():
         c1 = ai.Cache("model.layers.*.self_attn.q_proj")
         c2 = ai.Cache("model.layers.*.self_attn.q_proj")

@@ -119,7 +119,24 @@ class _ShardedLMRun(TPRunMixin, LMRun):
 
 
 class _ShardedGenerateRun(TPRunMixin, GenerateRun):
-    """A generation of a tensor-parallel language model (every rank)."""
+    """A generation of a tensor-parallel language model (every rank).
+
+    Sampling without a ``seed`` would draw different tokens on each rank (and
+    the ranks would then compute on different sequences): the ranks take
+    rank 0's random seed instead (one broadcast at the start of the run).
+    """
+
+    def __init__(self, model, job):
+        super().__init__(model, job)
+        kw = self.generate_kwargs
+        if kw.get("do_sample") and kw.get("seed") is None:
+            import random
+
+            import torch.distributed as dist
+            mesh = model.tp_mesh
+            seed = torch.tensor([random.getrandbits(31) if mesh.get_local_rank() == 0 else 0])
+            dist.broadcast(seed, group=mesh.get_group(), group_src=0)
+            kw["seed"] = int(seed.item())
 
 
 class _ShardedForwardEngine(LMForwardEngine):
@@ -145,6 +162,11 @@ class ShardedLanguageModel(LanguageModel):
     @property
     def tp_size(self) -> int:
         return self._tp_mesh.size()
+
+    @property
+    def tp_mesh(self):
+        """The device mesh the model's parameters are sharded over (its group does the gathers)."""
+        return self._tp_mesh
 
     def sharding_of(self, module, kind: str):
         """The :class:`~asyncinterp.hooks.sharded.Sharding` of ``module``'s ``kind`` point, or ``None``."""
