@@ -5,9 +5,11 @@ a known full tensor, so gathering, each rank's slice and the write-back can be
 checked exactly without a process group (tests/test_tp.py runs the real thing).
 """
 
+import pytest
 import torch
 
-from asyncinterp.hooks.sharded import Part, Sharding, even
+import asyncinterp as ai
+from asyncinterp.hooks.sharded import Part, Sharding, even, local_shard
 
 
 def shards_of(full_parts, world):
@@ -73,3 +75,17 @@ def test_heads_split_on_another_dimension():
     shard = Sharding({(1,): even(0, 2, 1)}, 1, 2, fake_gather(local), {(1,): 1})
     full, _ = shard.gather(("out", local[1]))
     assert torch.equal(full[1], pattern) and shard.local(full[1], (1,)).shape == (1, 2, 5, 5)
+
+
+def test_local_shard_of_an_unsharded_model_is_the_value_and_refuses_derived_points():
+    torch.manual_seed(0)
+    model = ai.wrap(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU()))
+    x = torch.randn(2, 4)
+
+    async def both(m):
+        full = (await m[0].output).clone()
+        return full, (await local_shard(m[1].input)).clone()
+    full, mine = model.trace(x, both)
+    assert torch.equal(torch.relu(full), torch.relu(mine)) and mine.shape == (2, 6)
+    with pytest.raises(TypeError, match="local_shard takes a module's .output"):
+        local_shard(model[0].output.grad)

@@ -324,7 +324,12 @@ def local_shard(point):
     Only module ``output``/``inputs``/``input`` points; on an unsharded point
     it is the value itself.
     """
-    envoy = point.envoy
+    envoy = getattr(point, "envoy", None)
+    if not isinstance(point, HookPoint) or envoy is None or point.name not in ("output", "inputs", "input") \
+            or type(point) is not HookPoint:
+        what = point.describe() if hasattr(point, "describe") else repr(point)
+        raise TypeError(f"local_shard takes a module's .output, .input or .inputs point, not {what}: e.g. "
+                        "local_shard(m.model.layers[0].self_attn.q_proj.output)")
     kind = point.base_kind
     base = envoy.output if kind == "output" else envoy.inputs
     path = () if kind == "output" else (0, 0)
