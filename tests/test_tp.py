@@ -107,6 +107,13 @@ def test_column_and_row_parallel_layers(ranks):
     assert got["local"] == [3, 8] and got["full_down_input"] == [3, 16]
 
 
+def test_a_dtensor_value_is_gathered_and_rebuilt(ranks):
+    for rank in (0, 1):
+        got = result(ranks, "dtensor", rank)
+        assert got["type"] == "Tensor" and got["shape"] == [2, 6] and got["equal_input"]
+        assert got["after_edit"]            # both ranks' columns edited, seen downstream through the DTensor
+
+
 def test_gpt2_has_no_plan_and_runs_replicated(ranks):
     got = result(ranks, "gpt2_plan")
     # transformers 5.19 has no TP plan for GPT-2: tp_plan="auto" loads whole weights on every rank

@@ -286,6 +286,49 @@ def colrow_checks():
                 "local": list(shard.shape), "full_down_input": list(down_in.shape)}
 
 
+# ----------------------------------------------------------------------------- a DTensor handed on
+
+
+class ToDTensor(torch.nn.Module):
+    """Hands on this rank's columns of its input as a ``DTensor`` sharded on dim 1 (a style with local output off)."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Shard
+        n = x.shape[1] // tp.world_size()
+        return DTensor.from_local(x[:, tp.rank() * n:(tp.rank() + 1) * n], self.mesh, [Shard(1)], run_check=False)
+
+
+class FromDTensor(torch.nn.Module):
+    def forward(self, d):
+        return d.full_tensor() * 2.0
+
+
+def dtensor_checks():
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (tp.world_size(),))
+    model = tp.wrap(torch.nn.Sequential(ToDTensor(mesh), FromDTensor()))
+    x = torch.arange(12.0).reshape(2, 6)
+
+    async def edit(m):
+        d = await m[0].output                       # the full [2, 6] tensor, not a DTensor shard
+        seen = (type(d).__name__, list(d.shape), bool(torch.equal(d, x)))
+        d[:, 0] = 100.0                             # rank 0's column: written back into the DTensor
+        d[:, 5] = -1.0                              # rank 1's column
+        return seen, (await m[1].output).clone()
+
+    @check
+    def dtensor():
+        seen, out = model.trace(x, edit)
+        want = x.clone()
+        want[:, 0], want[:, 5] = 100.0, -1.0
+        return {"type": seen[0], "shape": seen[1], "equal_input": seen[2],
+                "after_edit": bool(torch.equal(out, want * 2.0))}
+
+
 # ----------------------------------------------------------------------------- GPT-2
 
 
@@ -365,6 +408,7 @@ def main(out_dir):
     RESULTS["setup_seconds"] = round(time.perf_counter() - t0, 2)
     llama_checks(one, two)
     colrow_checks()
+    dtensor_checks()
     gpt2_check(os.path.join(out_dir, "gpt2"))
     docs_check(path)
     write(out_dir)
