@@ -56,7 +56,7 @@ __all__ = [
 def __getattr__(name):
     # Language-model support needs transformers: imported on first use only.
     if name in ("LanguageModel", "Generation"):
-        from .models.hf import language, lora, runs, vision  # noqa: F401 (lora, vision: LanguageModel(peft / VLM))
+        from .models.hf import language, lora, runs, tp, vision  # noqa: F401 (lora, tp, vision: LanguageModel(peft / TP model / VLM))
         return getattr(language, name, None) or getattr(runs, name)
     if name == "VisionLanguageModel":  # image-text-to-text models (LLaVA, Qwen2-VL) with their processor
         from .models.hf.vision import VisionLanguageModel

@@ -395,6 +395,9 @@ class PatternPoint(Point):
                 keys = cache.layers[layer_idx].keys
             except (AttributeError, IndexError, TypeError):
                 keys = None
+            if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[1] != k.shape[1]:
+                gather = getattr(run, "gather_heads", None)         # tensor parallel: the cache holds this rank's heads
+                keys = gather(keys) if gather is not None else None
             if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] >= k.shape[-2]:
                 k = keys                                            # past + new keys, as attention used them
         q, k = q.float(), k.float()

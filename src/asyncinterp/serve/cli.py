@@ -4,6 +4,7 @@
     asyncinterp serve tiny-gpt2 --port 8123 --api-key secret --allow-code
     asyncinterp serve ./my-model-dir --interventions my_interventions.py
     asyncinterp serve ./my-model-dir --engine vllm --tensor-parallel-size 2 --max-model-len 2048
+    asyncinterp serve ./my-model-dir --tensor-parallel-size 2      # transformers' TP plan, 2 ranks (gloo)
 
 MODEL is ``smollm2`` (default), ``tiny-gpt2`` / ``tiny-llama`` (random
 weights, instant), ``gpt2-small`` (GPT-2-small shape from config, random
@@ -22,6 +23,8 @@ import argparse
 import logging
 import os
 import sys
+
+from .startup import load_interventions, setup_logging  # noqa: F401 (their home was here)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,7 +46,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in /v1/models and OpenAI requests (default: MODEL as given)")
     g = p.add_argument_group("vLLM engine options (with --engine vllm)")
-    g.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N", help="tensor-parallel workers")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="tensor-parallel workers (also on transformers: N ranks, tp_plan='auto', gloo; "
+                        "docs/tensor-parallel.md)")
     g.add_argument("--dtype", default=None,
                    help="weights' dtype (default: float32 without a GPU, vLLM's 'auto' with one)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (prompt + new)")
@@ -114,6 +119,7 @@ def engine_options(args) -> dict:
         except ValueError:
             options[key.replace("-", "_")] = value
     if getattr(args, "engine", "transformers") != "vllm":
+        options.pop("tensor_parallel_size", None)   # transformers: ranks of its own (serve/tp_serve.py)
         if options:
             raise ValueError(f"{sorted(options)}: engine options need --engine vllm")
         return {}
@@ -177,31 +183,6 @@ def gpt2_small(seed: int = 0):
     return LanguageModel(model, tok)
 
 
-def load_interventions(server, path: str) -> None:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"asyncinterp_user_interventions_{abs(hash(path))}", path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"cannot load interventions from {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    register = getattr(module, "register", None)
-    if register is None:
-        raise ValueError(f"{path} must define register(server), which adds interventions with "
-                         "@server.intervention('name')")
-    register(server)
-
-
-def setup_logging(fmt: str, level: str) -> None:
-    from .app import JsonFormatter
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s %(message)s %(fields)s", defaults={"fields": ""}))
-    logger = logging.getLogger("asyncinterp.serve")
-    logger.handlers[:] = [handler]
-    logger.setLevel(level.upper())
-    logger.propagate = False
-
-
 def run(args) -> int:
     from .app import is_loopback
     if not is_loopback(args.host) and not args.allow_non_loopback:
@@ -217,6 +198,9 @@ def run(args) -> int:
     keys = list(args.api_key) + [k.strip() for k in os.environ.get("ASYNCINTERP_API_KEYS", "").split(",") if k.strip()]
     log = logging.getLogger("asyncinterp.serve")
     engine_options(args)   # refuse inconsistent engine options before loading anything
+    if args.engine == "transformers" and (args.tensor_parallel_size or 1) > 1:
+        from .tp_serve import launch_ranks   # the ranks load and serve the model; this process waits for them
+        return launch_ranks(args)
     model = build_model(args)
     try:
         return _serve(args, model, keys, log)

@@ -73,6 +73,11 @@ class LanguageModel(GeneratingModel, Model):
                 if type(model).__module__.startswith("peft."):
                     raise TypeError("a peft model needs asyncinterp.models.hf.lora (ai.LanguageModel imports it): "
                                     "`import asyncinterp.models.hf.lora` first, or use ai.LanguageModel")
+                if isinstance(getattr(model, "tp_size", None), int) and model.tp_size > 1 and not any(
+                        v.__name__ == "ShardedLanguageModel" for _, v in cls._variants):
+                    raise TypeError("a model sharded by its tensor-parallel plan needs asyncinterp.models.hf.tp "
+                                    "(ai.LanguageModel imports it; without it awaits would see this rank's "
+                                    "shards): `import asyncinterp.models.hf.tp` first, or use ai.LanguageModel")
         return super().__new__(cls)
 
     def __init__(self, model, tokenizer=None, envoys: dict | None = None):

@@ -341,14 +341,14 @@ class WorkerRun(Run):
                 if per_request:
                     saved, run.layout = run.layout, run.request_layout
                 try:
-                    value = shard.gather(output) if shard is not None else output
+                    value, token = shard.gather(output) if shard is not None else (output, None)
                     try:
                         result = inner(mod, args, value)
                     except StopForward:
                         run.halt()
                         result = None
-                    if shard is not None:
-                        return shard.scatter(value if result is None else result, output, result is not None)
+                    if shard is not None:   # the one re-sharding of every engine (hooks.sharded)
+                        return shard.scatter(value, token, result, output)
                     return result
                 finally:
                     if per_request:
@@ -359,7 +359,7 @@ class WorkerRun(Run):
             if run.halted or run.in_adhoc_call:
                 return None
             if shard is not None:
-                full_args, full_kwargs = shard.gather((args, kwargs))
+                (full_args, full_kwargs), token = shard.gather((args, kwargs))
             else:
                 full_args, full_kwargs = args, kwargs
             try:
@@ -369,8 +369,8 @@ class WorkerRun(Run):
                 result = None
             if shard is None:
                 return result
-            final = (full_args, full_kwargs) if result is None else (tuple(result[0]), dict(result[1]))
-            out = shard.scatter(final, (args, kwargs), result is not None)
+            replaced = None if result is None else (tuple(result[0]), dict(result[1]))
+            out = shard.scatter((full_args, full_kwargs), token, replaced, (args, kwargs))
             return None if out is None else (tuple(out[0]), dict(out[1]))
         return pre_hook
 
