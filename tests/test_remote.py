@@ -1,0 +1,287 @@
+"""ai.remote (issue 21): the same functions, helpers and invokes run on a live server with the local results.
+
+One uvicorn server (in a thread of this process, a free loopback port) serves
+a tiny GPT-2 with --allow-code for the whole module; the local runs use a
+second instance of the same model (same seed, same weights). Every remote
+result is compared with the local one (1e-5).
+"""
+
+import asyncio
+import math
+import socket
+import threading
+import time
+
+import anyio
+import httpx
+import pytest
+import torch
+import uvicorn
+
+import asyncinterp as ai
+from asyncinterp.kernel.errors import ModulePathError
+from asyncinterp.models import tiny
+from asyncinterp.serve import Server, wire
+from asyncinterp.serve.job_wire import dumps_job
+from asyncinterp.serve.protocol import VersionMismatch, versions
+from asyncinterp.serve.wire import RemoteError
+from serve_helpers import one_thread  # noqa: F401 - fixture found by name
+
+KEY = "remote-key"
+LAYER = 1                          # a module-level constant the interventions read
+PROMPT = "The Eiffel Tower is in the city of"
+
+
+def scale_of(h):
+    """A helper the interventions call (it reads a module and a constant)."""
+    return h * 0.5 + math.sqrt(LAYER - 1.0)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """A uvicorn server in a thread, on a free loopback port."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(server.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                access_log=False, lifespan="on")
+        self.uv = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.uv.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+
+    def close(self):
+        self.uv.should_exit = True
+        self.thread.join(15)
+        self.server.batcher.close()
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def local():
+    return tiny("gpt2")
+
+
+@pytest.fixture(scope="module")
+def live(one_thread):
+    served = tiny("gpt2")
+    server = Server(served, api_keys=[KEY], allow_code=True, max_batch=8, max_wait_ms=30, code_budget=5.0,
+                    max_body_bytes=1 << 20)
+
+    @server.intervention("last_logits")
+    async def last_logits(m, scale: float = 1.0):
+        return (await m.lm_head.output)[:, -1] * scale
+
+    live = Live(server)
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def lm(live):
+    model = ai.remote(live.url, api_key=KEY)
+    yield model
+    model.close()
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), type(b)
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b):
+            same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            same(a[k], b[k])
+    else:
+        assert a == b, (a, b)
+
+
+# --------------------------------------------------------------------------- the issue's table
+def test_a_closure_over_a_client_tensor(local, lm):
+    direction = torch.randn(64)
+
+    async def steer(m):
+        h = await m.transformer.h[1].output
+        h[:] = h + 4.0 * direction
+        return (await m.lm_head.output)[:, -1].clone()
+
+    here = local.trace(PROMPT, steer)
+    there = lm.trace(PROMPT, steer)
+    same(here, there)
+
+    async def plain(m):
+        return (await m.lm_head.output)[:, -1].clone()
+    assert not torch.allclose(there, local.trace(PROMPT, plain), atol=1e-3)   # the steering did something
+
+
+def test_a_module_constant_and_a_helper(local, lm):
+    async def scaled(m):
+        h = await m.transformer.h[LAYER].output
+        m.transformer.h[LAYER].output = scale_of(h)
+        return (await m.lm_head.output)[:, -1].clone()
+
+    same(local.trace(PROMPT, scaled), lm.trace(PROMPT, scaled))
+
+
+def _patching(model):
+    clean = ai.Future()
+
+    async def record(m):
+        clean.set_result((await m.transformer.h[1].output).clone())
+
+    async def patch(m):
+        h = await m.transformer.h[1].output
+        h[:, -1] = (await clean)[:, -1]
+        return (await m.lm_head.output)[:, -1].softmax(-1)
+
+    with model.trace() as run:
+        run.invoke("The Eiffel Tower is in the city of", record)
+        p = run.invoke("The Colosseum is in the city of", patch)
+    return p.result, run
+
+
+def test_two_invokes_sharing_a_future_activation_patching(local, lm):
+    here, _ = _patching(local)
+    there, run = _patching(lm)
+    same(here, there)
+    assert run.invokes[0].result is None
+
+
+def test_generation_with_per_step_control_and_a_closure_over_a_list(local, lm):
+    boost_at = [0, 2, 3]
+    direction = torch.randn(64)
+
+    async def steer_some_steps(m):
+        seen = []
+        async for step in m.steps():
+            h = await m.transformer.h[0].output
+            if step in boost_at:
+                h[:] = h + 2.0 * direction
+            seen.append(step)
+        return seen
+
+    here = local.generate(PROMPT, steer_some_steps, max_new_tokens=5)
+    there = lm.generate(PROMPT, steer_some_steps, max_new_tokens=5)
+    assert there.result == here.result == [0, 1, 2, 3, 4]
+    assert there.text == here.text
+    same(here.tokens, there.tokens)
+
+
+def test_a_closure_over_a_file_handle_is_a_clear_client_type_error(lm, tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello\n")
+    with open(path) as handle:
+        async def reads(m):
+            handle.readline()
+            return await m.lm_head.output
+
+        with pytest.raises(TypeError, match="handle"):
+            lm.trace(PROMPT, reads)
+
+
+# --------------------------------------------------------------------------- the client's checks
+def test_a_wrong_module_name_gets_did_you_mean_on_the_client(lm, live):
+    async def typo(m):
+        return await m.transformer.hh[0].output
+
+    before = live.server.batcher.stats["requests"]
+    with pytest.raises(ModulePathError, match="Did you mean 'h'"):
+        lm.trace(PROMPT, typo)
+
+    async def out_of_range(m):
+        return await m.transformer.h[7].output
+
+    with pytest.raises(ModulePathError, match="out of range"):
+        lm.trace(PROMPT, out_of_range)
+    assert live.server.batcher.stats["requests"] == before   # nothing was sent
+
+
+def test_a_version_mismatch_is_a_clear_error_naming_both(live):
+    old = ai.remote(live.url, api_key=KEY)
+    old.versions = {**versions(), "asyncinterp": "0.0.1"}
+
+    async def read(m):
+        return await m.lm_head.output
+
+    with pytest.raises(VersionMismatch, match="0.0.1") as info:
+        old.trace(PROMPT, read)
+    assert versions()["asyncinterp"] in str(info.value) and versions()["python"] in str(info.value)
+    old.close()
+
+    # a client that does not check: the server refuses with both versions named
+    job = ai.wrap(torch.nn.Linear(2, 2)).trace()
+    job.invoke(torch.randn(1, 2), read)
+    body = wire.packb({**versions(), "asyncinterp": "9.3.0", "python": "3.8.1", "job": dumps_job(job.job)})
+    r = httpx.post(f"{live.url}/v1/jobs", content=body, headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400
+    error = wire.unpackb(r.content)["error"]
+    assert error["type"] == "VersionMismatch" and "9.3.0" in error["message"] and "3.8.1" in error["message"]
+    assert versions()["asyncinterp"] in error["message"]
+
+
+# --------------------------------------------------------------------------- surface
+def test_errors_on_error_and_registered_interventions(local, lm):
+    async def fails(m):
+        await m.transformer.h[0].output
+        raise ValueError("no good")
+
+    async def fine(m):
+        return (await m.lm_head.output)[:, -1].clone()
+
+    with pytest.raises(ValueError, match="no good"):
+        lm.trace(PROMPT, fails)
+    with lm.trace(on_error="continue") as run:
+        bad = run.invoke(PROMPT, fails)
+        good = run.invoke("A dog ran into a", fine)
+    with pytest.raises(RemoteError, match="no good"):
+        bad.result
+    same(local.trace("A dog ran into a", fine), good.result)
+
+    top = lm.trace(PROMPT, lm.registered("last_logits", scale=2.0))
+    same(local.trace(PROMPT, fine) * 2.0, top)
+
+
+def test_atrace_under_asyncio_and_trio(local, lm):
+    async def fine(m):
+        return (await m.transformer.h[1].output).clone()
+
+    expected = local.trace(PROMPT, fine)
+
+    async def main():
+        return await lm.atrace(PROMPT, fine)
+
+    same(expected, anyio.run(main, backend="asyncio"))
+    same(expected, anyio.run(main, backend="trio"))
+
+    async def several():
+        return await asyncio.gather(*(lm.atrace(PROMPT, fine) for _ in range(3)))
+    for got in asyncio.run(several()):
+        same(expected, got)
+
+
+def test_streaming_a_remote_generation(lm):
+    async def emits(m):
+        async for step in m.steps():
+            h = await m.transformer.h[0].output
+            ai.serve.emit(float(h.float().norm()))
+
+    events = list(lm.stream(PROMPT, emits, max_new_tokens=4))
+    kinds = [e["event"] for e in events]
+    assert kinds.count("token") == 4 and kinds.count("emit") == 4 and kinds[-1] == "done"
+    assert kinds.index("emit") < kinds.index("done")
+    assert events[-1]["result"].text == "".join(e["text"] for e in events if e["event"] == "token")
