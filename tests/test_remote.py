@@ -8,12 +8,14 @@ result is compared with the local one (1e-5).
 
 import asyncio
 import math
+import re
 import socket
 import threading
 import time
 
 import anyio
 import httpx
+import msgpack
 import pytest
 import torch
 import uvicorn
@@ -76,7 +78,7 @@ def local():
 @pytest.fixture(scope="module")
 def live(one_thread):
     served = tiny("gpt2")
-    server = Server(served, api_keys=[KEY], allow_code=True, max_batch=8, max_wait_ms=30, code_budget=5.0,
+    server = Server(served, api_keys=[KEY], allow_code=True, max_batch=8, max_wait_ms=30, code_budget=1.0,
                     max_body_bytes=1 << 20)
 
     @server.intervention("last_logits")
@@ -285,3 +287,179 @@ def test_streaming_a_remote_generation(lm):
     assert kinds.count("token") == 4 and kinds.count("emit") == 4 and kinds[-1] == "done"
     assert kinds.index("emit") < kinds.index("done")
     assert events[-1]["result"].text == "".join(e["text"] for e in events if e["event"] == "token")
+
+
+# --------------------------------------------------------------------------- the whole job is one request
+def test_a_group_is_never_split_across_batches(local, live, lm):
+    """Groups of 3 and single requests arrive together; max_batch=8 takes whole groups only, and each
+    group's invokes share a future (which would be unset if its invokes ran in different forwards)."""
+    batcher = live.server.batcher
+    sizes = []
+    execute = batcher._execute
+
+    def recording(batch):
+        sizes.append([getattr(r, "size", 1) for r in batch])
+        return execute(batch)
+
+    async def single(m):
+        return (await m.lm_head.output)[:, -1].clone()
+
+    def one_group():
+        hand = ai.Future()
+
+        async def source(m):
+            h = (await m.transformer.h[0].output).clone()
+            hand.set_result(h[:, -1])
+            return h[:, -1]
+
+        async def sink(m):
+            h = await m.transformer.h[0].output
+            return (await hand) + 0 * h[:, -1]
+
+        run = lm.trace()
+        run.invoke(PROMPT, source)
+        run.invoke("A dog ran into a", sink)
+        run.invoke("Once upon a time there", sink)
+        return run
+
+    batcher._execute = recording
+    try:
+        runs = [one_group() for _ in range(3)]
+
+        async def main():
+            async with anyio.create_task_group() as tg:
+                for run in runs:
+                    tg.start_soon(run.arun)
+                for _ in range(3):
+                    tg.start_soon(lm.atrace, PROMPT, single)
+        anyio.run(main)
+    finally:
+        batcher._execute = execute
+    assert sum(sum(s) for s in sizes) == 3 * 3 + 3
+    assert all(sum(s) <= batcher.max_batch for s in sizes), sizes
+    assert sum(s.count(3) for s in sizes) == 3          # every group went into a batch whole
+    for run in runs:
+        first, second, third = (inv.result for inv in run.invokes)
+        same(first, second)
+        same(first, third)
+
+
+def test_a_jobs_budget_counts_all_of_its_invokes(live):
+    """Three invokes that never stop: the job is cut once, after about one budget in all (not three)."""
+    from serve_helpers import SPIN
+    ns = {}
+    exec(compile(SPIN, "spin", "exec"), ns)  # noqa: S102 - a test's own source, for its code object only
+    lines = SPIN.splitlines(True)
+
+    import linecache
+    linecache.cache["<remote-spin>"] = (len(SPIN), None, lines, "<remote-spin>")
+    exec(compile(SPIN, "<remote-spin>", "exec"), ns)  # noqa: S102
+    spin = ns["f"]
+    model = ai.remote(live.url, api_key=KEY)
+    with model.trace(on_error="continue") as run:
+        for _ in range(3):
+            run.invoke(PROMPT, spin)
+    model.close()
+    messages = set()
+    for inv in run.invokes:
+        with pytest.raises(RemoteError, match="compute budget of 1 s") as info:
+            inv.result
+        messages.add(info.value.message)
+    assert len(messages) == 1, messages          # one cut for the job, when its invokes together used 1 s
+    used = float(re.search(r"ran in hook firings: ([0-9.]+) s", messages.pop()).group(1))
+    assert 1.0 <= used < 1.5, used
+
+
+# --------------------------------------------------------------------------- forged messages
+def _job_bytes(fn, *values):
+    run = ai.wrap(torch.nn.Linear(2, 2)).trace()
+    run.invoke(PROMPT, fn)
+    return wire.unpackb(dumps_job(run.job))
+
+
+def _post(live, body):
+    r = httpx.post(f"{live.url}/v1/jobs", content=wire.packb(body), headers={"authorization": f"Bearer {KEY}"})
+    return r.status_code, wire.unpackb(r.content, wire.answer_limits(len(r.content)))
+
+
+def _send(live, job):
+    return _post(live, {**versions(), "job": wire.packb(job)})
+
+
+async def honest(m):
+    return (await m.lm_head.output)[:, -1].clone()
+
+
+def test_forged_jobs_are_refused(live):
+    job = _job_bytes(honest)
+    status, answer = _send(live, job)
+    assert status == 200 and answer["results"][0]["ok"]
+
+    tampered = wire.unpackb(wire.packb(job))
+    tampered["capture"]["functions"][0]["source"] = \
+        "async def honest(m):\n    import os\n    return os.listdir('/')\n"
+    status, answer = _send(live, tampered)
+    assert status == 400 and "os" in answer["error"]["message"], answer
+
+    not_a_function = wire.unpackb(wire.packb(job))
+    not_a_function["capture"]["functions"][0]["source"] = "honest = print\n"
+    status, answer = _send(live, not_a_function)
+    assert status == 400 and "not one plain" in answer["error"]["message"], answer
+
+    deep = wire.unpackb(wire.packb(job))
+    value = ["=", 1]
+    for _ in range(40):
+        value = ["L", [value]]
+    deep["capture"]["functions"][0]["values"]["DEEP"] = value
+    status, answer = _post(live, {**versions(), "job": msgpack.packb(deep)})   # (our wire would not write it)
+    assert status == 400 and "nest" in answer["error"]["message"], answer
+
+    status, answer = _post(live, {**versions(), "job": b"\x93\x01\x02"})
+    assert status == 400
+
+
+def test_a_huge_captured_tensor_is_413(lm):
+    big = torch.zeros(400_000)          # 1.6 MB > the server's 1 MiB body limit
+
+    async def uses_big(m):
+        h = await m.lm_head.output
+        return h[:, -1] + big[:1]
+
+    with pytest.raises(RemoteError) as info:
+        lm.trace(PROMPT, uses_big)
+    assert info.value.status == 413
+
+
+def test_captured_values_cannot_reach_another_tenant(live):
+    """Two tenants send the same function with different captured values in one batch: each gets its own;
+    one tenant's in-place change of its captured tensor reaches neither the other nor its own next job."""
+    a = ai.remote(live.url, api_key=KEY)
+    b = ai.remote(live.url, api_key=KEY)
+
+    def make(secret):
+        async def tenant(m):
+            await m.lm_head.output
+            out = secret.clone()
+            secret.add_(100.0)          # changes only this job's private copy
+            return out
+        return tenant
+
+    secret_a, secret_b = torch.full((3,), 1.0), torch.full((3,), 2.0)
+
+    async def main():
+        out = {}
+
+        async def one(model, key, fn):
+            out[key] = await model.atrace(PROMPT, fn)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, a, "a", make(secret_a))
+            tg.start_soon(one, b, "b", make(secret_b))
+        return out
+
+    out = anyio.run(main)
+    same(out["a"], torch.full((3,), 1.0))
+    same(out["b"], torch.full((3,), 2.0))
+    same(a.trace(PROMPT, make(secret_a)), torch.full((3,), 1.0))   # the server kept nothing
+    same(secret_a, torch.full((3,), 1.0))                            # nor changed the client's tensor
+    a.close()
+    b.close()
