@@ -95,12 +95,30 @@ def rebuild(description, compile_source) -> list:
         fn = namespace.get(name)
         if not callable(fn):
             raise DescriptionRefused(f"function {name}: its source does not define {name}")
+        _set_defaults(fn, entry, reader, getattr(compile_source, "private", None))
         spaces.append(namespace)
         built.append(fn)
     for entry, namespace in zip(entries, spaces):   # helpers last: cycles (f calls g calls f) are fine
         for var, index in _map(entry, "functions").items():
             namespace[_name(var)] = built[_index(index, built, "function")]
     return _Built(built, reader)
+
+
+def _set_defaults(fn, entry, reader, private) -> None:
+    """The captured parameter defaults of ``fn`` (its source carries ``None`` in their place)."""
+    defaults, kwdefaults = entry.get("defaults"), entry.get("kwdefaults")
+    if defaults is None and kwdefaults is None:
+        return
+    own = private or (lambda v: v)
+    if defaults is not None:
+        if not isinstance(defaults, (list, tuple)) or len(defaults) != len(fn.__defaults__ or ()):
+            raise DescriptionRefused(f"function {entry.get('name')}: its defaults do not match its parameters")
+        fn.__defaults__ = tuple(own(reader.value(v, 0)) for v in defaults)
+    if kwdefaults is not None:
+        if not isinstance(kwdefaults, dict) or set(kwdefaults) != set(fn.__kwdefaults__ or ()):
+            raise DescriptionRefused(f"function {entry.get('name')}: its keyword defaults do not match its "
+                                     "parameters")
+        fn.__kwdefaults__ = {k: own(reader.value(v, 0)) for k, v in kwdefaults.items()}
 
 
 class _Built(list):

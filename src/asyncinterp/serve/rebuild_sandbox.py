@@ -55,6 +55,11 @@ class Sandboxed:
                           PLAIN: text_safe, MEMBER: read_unlisted})
         exec(code, namespace)  # noqa: S102 - checked and instrumented above, restricted builtins
 
+    @staticmethod
+    def private(value):
+        """A captured value as submitted code gets it (a private copy; futures as they are)."""
+        return value if isinstance(value, Future) else _private(value)
+
     def entry(self, fn):
         """An entry point as the engine calls it: the model seen through ``SafeEnvoy``, results released."""
         if isinstance(fn, functools.partial):
