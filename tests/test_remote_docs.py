@@ -40,3 +40,12 @@ def test_core_pages_run_remotely_with_local_results(mirror, page):
     print(_summary(records))
     assert records
     assert [r for r in records if r["outcome"] == "remote_failed"] == [], _summary(records)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("page", ["generation.md", "language-models.md"])
+def test_language_model_pages_run_remotely_with_local_results(mirror, page):
+    records = _run(mirror, page)
+    print(_summary(records))
+    assert records
+    assert [r for r in records if r["outcome"] == "remote_failed"] == [], _summary(records)

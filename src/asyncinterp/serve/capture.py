@@ -16,6 +16,8 @@ code), so :class:`Capture` describes it instead:
   identity: one future here is one future on the other side;
 * the **modules** it uses (``torch``, ``math``, ``asyncinterp as ai``), by
   name only, when the sandbox policy allows them;
+* the model and its modules (envoys), by reference: their path, resolved
+  on the model of the side that runs the job;
 * builtins are not captured (the other side has its own).
 
 Anything else is a ``TypeError`` here, on the client, naming the variable,
@@ -37,6 +39,7 @@ import types
 
 import torch
 
+from ..hooks.envoy import Envoy
 from ..kernel.futures import Future
 from .sandbox.policy import ALLOWED_MODULES
 
@@ -143,6 +146,10 @@ class Capture:
             return ["R", index]
         if isinstance(value, Future):
             return ["U", self._future(value)]
+        if isinstance(value, Envoy):   # the model or one of its modules: by reference, resolved where it runs
+            if getattr(value, "attached", False):
+                raise _cannot(fn, name, value, "an attached module does not travel; attach it on the server")
+            return ["E", value.path]
         tag = _CONTAINERS.get(type(value))
         if tag is None:
             raise _cannot(fn, name, value, "only tensors, numbers, strings, bytes, None, ai.Future and lists, "

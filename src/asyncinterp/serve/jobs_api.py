@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import time
 
+import torch
+
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
@@ -74,8 +76,8 @@ async def _jobs(server, request):
         if type(stream) is not bool:
             raise RequestFailed("request", "stream must be a bool")
         timeout = server._timeout(obj)
-        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout)) if server.allow_code \
-            else None
+        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
+            if server.allow_code else None
         job = _load(server, data, sandbox, timeout)
         invokes, options = _checked(server, job)
         fields.update(kind=job.kind, invokes=len(invokes), intervention="job")
@@ -154,7 +156,7 @@ def _checked(server, job):
             x = None
         else:
             try:
-                x, length = server._input(spec.input)
+                x, length = _input(server, spec.input)
             except RequestFailed as fail:
                 fail.error["message"] = f"invoke {i}: {fail.error['message']}"
                 raise
@@ -177,6 +179,39 @@ def _checked(server, job):
                 raise RequestFailed("request", f"generation option {key}={value!r:.40} has the wrong type")
         options = dict(gen, max_new_tokens=max_new)
     return invokes, options
+
+
+def _input(server, value):
+    """An invoke's checked input and its longest row in tokens: what ``/v1/trace`` takes, and for language
+    models also what a local invoke takes (docs/language-models.md): a list of prompts, lists of token ids,
+    an integer tensor of ids (1-D or 2-D), a tokenizer output (``input_ids`` and ``attention_mask``)."""
+    if not server.is_lm or isinstance(value, str):
+        return server._input(value)
+    if isinstance(value, dict):
+        extra = set(value) - {"input_ids", "attention_mask"}
+        if extra or "input_ids" not in value:
+            raise RequestFailed("request", "input: a tokenizer output has input_ids and optionally attention_mask, "
+                                           f"got {sorted(map(str, value))}")
+        ids, length = _input(server, value["input_ids"])
+        mask = value.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor) or mask.shape != ids.shape \
+                    or not bool(((mask == 0) | (mask == 1)).all()):
+                raise RequestFailed("request", "input: attention_mask must be a 0/1 tensor shaped like input_ids")
+        return {**value, "input_ids": ids}, length
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.int64, torch.int32) or value.dim() not in (1, 2) or value.numel() == 0:
+            raise RequestFailed("request", "input: a tensor of token ids is a non-empty 1-D or 2-D integer tensor")
+        rows = value.view(-1, value.shape[-1]).tolist()
+        for row in rows:
+            server._input(row)
+        return value, value.shape[-1]
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > server.batcher.max_batch:
+            raise RequestFailed("too_large", f"input: {len(value)} rows exceed max_batch={server.batcher.max_batch}")
+        checked = [server._input(v) for v in value]
+        return [x for x, _ in checked], max(n for _, n in checked)
+    return server._input(value)
 
 
 def _outcome(kind, ok, value) -> dict:
