@@ -156,7 +156,7 @@ class Mirror:
                     continue
                 same(value, there.result, f"{self.page}: invoke {i}")
                 if isinstance(there, RemoteGeneration) and hasattr(here, "text"):
-                    assert here.text == there.text, f"{self.page}: invoke {i} text"
+                    assert here.text == there.text, f"{self.page}: invoke {i} text {here.text!r} vs {there.text!r}"
             record["outcome"] = "equal"
         self.records.append(record)
 

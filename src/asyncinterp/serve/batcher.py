@@ -165,7 +165,7 @@ class Batcher(aio.Closable):
 
     async def group(self, kind, invokes, *, timeout: float | None = None, on_cancel=None, meter=None,
                     on_error: str = "stop", max_new_tokens: int | None = None, **generate_kwargs) -> list:
-        """Run ``invokes`` (``(input, fns)`` pairs) as one atomic group: the same forward, never split.
+        """Run ``invokes`` (``(input, fns)`` or ``(input, fns, kwargs)``) as one atomic group: the same forward, never split.
 
         Returns one ``(ok, value)`` per invoke (see :mod:`.groups`); ``timeout``, ``on_cancel`` and
         ``meter`` cover the whole group (``"generate"``: ``max_new_tokens`` and generation options).
@@ -225,7 +225,8 @@ class Batcher(aio.Closable):
                 raise TypeError("generation requests need a LanguageModel (with a tokenizer and generate)")
             key = ("generate", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
         else:
-            key = ("trace", self._input_key(invokes[0][0]), ())
+            kwargs = invokes[0][2] if len(invokes[0]) > 2 else {}   # (the invokes of a job agree on them)
+            key = ("trace", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
         req = Group(kind, invokes, key, gen, max_new_tokens, on_cancel, stream, meter, on_error)
         req.meter.attach(self.ledger)
         self._submit(req)
@@ -590,8 +591,15 @@ class _GenerationWatch:
 
     async def __call__(self, m):
         run = self.run = current_run()
+        run.tap(m.logits, self._on_logits)
         run.tap(m.tokens, self._on_tokens)
         return None
+
+    def _on_logits(self, _):
+        """Which invokes were stopped before this step's token was chosen (as locally, they get no token)."""
+        self.before = frozenset(self.run.stopped_invokes)
+
+    before = frozenset()
 
     def _ended(self, row_tokens, eos, stops) -> bool:
         """Whether a row ends with an end-of-sequence token or its text has a stop string (``stop`` option)."""
@@ -612,7 +620,14 @@ class _GenerationWatch:
             rows = ids[span[0]:span[1]] if span is not None else ids
             if r.tokens is None:
                 r.tokens = [[] for _ in rows]
-            if idx in run.stopped_invokes:   # m.stop() during this step: like a stopped run, no token from it
+            if idx in run.stopped_invokes:
+                # m.stop() during this step: like a stopped run, no token from it, unless it stopped at the
+                # tokens point itself (the token was chosen: a local run keeps it too)
+                if idx not in self.before:
+                    for row_tokens, t in zip(r.tokens, rows):
+                        if len(row_tokens) < r.max_new_tokens and not (row_tokens and row_tokens[-1] in eos):
+                            row_tokens.append(int(t))
+                    r.stream_tokens(self.tokenizer)
                 kernel.end_group(idx)
                 r.finish_generation(self.tokenizer, early=True)
                 continue

@@ -63,8 +63,9 @@ class Group(Request):
         self.outcomes = [None] * len(invokes)
         self._count = threading.Lock()
         self.members = []
-        for i, (input, fns) in enumerate(invokes):
-            member = Member(kind, input, fns, {}, key, gen, max_new_tokens, None, stream, self.meter)
+        for i, (input, fns, *kwargs) in enumerate(invokes):
+            member = Member(kind, input, fns, kwargs[0] if kwargs else {}, key, gen, max_new_tokens, None, stream,
+                            self.meter)
             member.group = self
             member.position = i
             self.members.append(member)

@@ -47,6 +47,7 @@ __all__ = ["routes"]
 _FIELDS = frozenset({"protocol", "asyncinterp", "python", "job", "timeout", "stream"})
 _GENERATION_OPTIONS = {"stop": (str, list), "do_sample": (bool,), "temperature": (int, float),
                        "top_k": (int,), "top_p": (int, float), "seed": (int,)}
+_FORWARD_KWARGS = frozenset({"logits_to_keep"})   # forward keyword arguments a job may give (ints)
 MSGPACK = "application/msgpack"
 MSGPACK_STREAM = "application/x-msgpack-stream"
 
@@ -149,9 +150,18 @@ def _checked(server, job):
     for i, spec in enumerate(job.invokes):
         if spec.background:
             raise RequestFailed("request", f"invoke {i}: persistent edits (model.edit) do not run remotely")
-        if spec.kwargs or spec.options:
-            raise RequestFailed("request", f"invoke {i}: keyword arguments for the model's forward and per-invoke "
-                                           "options are not accepted remotely")
+        if spec.options:
+            raise RequestFailed("request", f"invoke {i}: per-invoke engine options are not accepted remotely")
+        kwargs = dict(spec.kwargs)
+        if set(kwargs) - _FORWARD_KWARGS or any(type(v) is not int or v < 0 for v in kwargs.values()):
+            raise RequestFailed("request", f"invoke {i}: keyword arguments for the model's forward: only "
+                                           f"{', '.join(sorted(_FORWARD_KWARGS))} (an int >= 0) remotely, got "
+                                           f"{sorted(map(str, kwargs))}")
+        if job.kind == "generate" and kwargs:
+            raise RequestFailed("request", f"invoke {i}: a generation takes no forward keyword arguments")
+        if kwargs != dict(job.invokes[0].kwargs):
+            raise RequestFailed("request", "the invokes of one job must agree on the model's keyword arguments "
+                                           "(they run in one forward)")
         if spec.input is None:
             x = None
         else:
@@ -161,8 +171,8 @@ def _checked(server, job):
                 fail.error["message"] = f"invoke {i}: {fail.error['message']}"
                 raise
             longest = max(longest, length)
-        invokes.append((x, spec.fns))
-    if all(x is None for x, _ in invokes):
+        invokes.append((x, spec.fns, kwargs))
+    if all(x is None for x, _, _ in invokes):
         raise RequestFailed("request", "every invoke of this job has no input: give at least one an input")
     options = {}
     if job.kind == "generate":

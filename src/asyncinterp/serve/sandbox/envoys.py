@@ -170,7 +170,7 @@ def _envoy_attribute(envoy, name):
     if name == "generated":
         g = envoy.generated
         return Record(tokens=sanitize(g.tokens), text=g.text)
-    return getattr(envoy, name)     # steps, stop
+    return getattr(envoy, name)     # steps, stop; a language model's decode, to_tokens, token_id
 
 
 def setpoint(obj, name, value):
