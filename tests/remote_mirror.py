@@ -14,24 +14,16 @@ each against the list of what cannot run remotely in docs/remote.md.
 from __future__ import annotations
 
 import linecache
-import socket
-import threading
-import time
 
 import torch
-import uvicorn
 
 from asyncinterp.engine import ForwardEngine
+from asyncinterp.tools.cache import Cache
 from asyncinterp.models.hf.runs import LMForwardEngine, LMGenerateEngine
 from asyncinterp.serve import Server
 from asyncinterp.serve.remote import RemoteExecution, RemoteGeneration, RemoteInvoke, RemoteModel
 from docsnippets import python_blocks
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from remote_helpers import Live
 
 
 class Dispatch:
@@ -83,22 +75,12 @@ class Mirror:
 
     def __init__(self):
         self.dispatch = Dispatch()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.servers = {}        # id(model) -> (model, Server, RemoteModel)
         self.records = []        # {"page", "outcome": "equal" | "remote_failed" | "both_failed", "error"}
         self.page = None
         self._saved = {}
-        config = uvicorn.Config(self.dispatch, host="127.0.0.1", port=self.port, log_level="warning",
-                                access_log=False, lifespan="off")
-        self.uv = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.uv.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
+        self.live = Live(None, app=self.dispatch, lifespan="off")
+        self.url = self.live.url
 
     # ------------------------------------------------------------------ pages
     def run_page(self, page: str, namespace: dict | None = None) -> dict:
@@ -138,13 +120,16 @@ class Mirror:
             RemoteExecution(remote, job.replace(results=carriers, listener=None)).wait()
         except Exception as exc:  # noqa: BLE001 - compared with the local outcome below
             return exc
+        for inv in carriers:   # a cache is filled in place: keep what the server recorded before the local run
+            inv.caches = {id(fn): dict(fn.recorded) for fn in inv.spec.fns if isinstance(fn, Cache)}
         return carriers
 
     def compare(self, job, remote, local_exc):
         record = {"page": self.page, "invokes": len(job.invokes)}
         if isinstance(remote, Exception):
             record.update(outcome="both_failed" if local_exc else "remote_failed",
-                          error=f"{type(remote).__name__}: {remote}")
+                          error=f"{type(remote).__name__}: {remote}",
+                          same_type=local_exc is not None and isinstance(remote, type(local_exc)))
         elif local_exc is not None:
             record.update(outcome="local_only_failed", error=f"{type(local_exc).__name__}: {local_exc}")
         else:
@@ -154,7 +139,15 @@ class Mirror:
                 except Exception:  # noqa: BLE001 - on_error="continue": this invoke failed locally
                     assert there.error is not None, f"{self.page}: invoke {i} failed locally only"
                     continue
-                same(value, there.result, f"{self.page}: invoke {i}")
+                if there.caches:
+                    for fn in here.spec.fns:
+                        if isinstance(fn, Cache):
+                            remote_records = there.caches[id(fn)]
+                            assert list(fn.recorded) == list(remote_records), f"{self.page}: cache keys"
+                            for key, entries in fn.recorded.items():
+                                same(entries, remote_records[key], f"{self.page}: cache {key}")
+                else:
+                    same(value, there.result, f"{self.page}: invoke {i}")
                 if isinstance(there, RemoteGeneration) and hasattr(here, "text"):
                     assert here.text == there.text, f"{self.page}: invoke {i} text {here.text!r} vs {there.text!r}"
             record["outcome"] = "equal"
@@ -182,8 +175,7 @@ class Mirror:
         self._saved.clear()
 
     def close(self):
-        self.uv.should_exit = True
-        self.thread.join(15)
+        self.live.close()
         for _, server, remote in self.servers.values():
             remote.close()
             server.batcher.close()

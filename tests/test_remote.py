@@ -9,8 +9,6 @@ result is compared with the local one (1e-5).
 import asyncio
 import math
 import re
-import socket
-import threading
 import time
 
 import anyio
@@ -18,7 +16,6 @@ import httpx
 import msgpack
 import pytest
 import torch
-import uvicorn
 
 import asyncinterp as ai
 from asyncinterp.kernel.errors import ModulePathError
@@ -27,6 +24,7 @@ from asyncinterp.serve import Server, wire
 from asyncinterp.serve.job_wire import dumps_job
 from asyncinterp.serve.protocol import VersionMismatch, versions
 from asyncinterp.serve.wire import RemoteError
+from remote_helpers import Live
 from serve_helpers import one_thread  # noqa: F401 - fixture found by name
 
 KEY = "remote-key"
@@ -37,37 +35,6 @@ PROMPT = "The Eiffel Tower is in the city of"
 def scale_of(h):
     """A helper the interventions call (it reads a module and a constant)."""
     return h * 0.5 + math.sqrt(LAYER - 1.0)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
-    """A uvicorn server in a thread, on a free loopback port."""
-
-    def __init__(self, server: Server):
-        self.server = server
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(server.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                access_log=False, lifespan="on")
-        self.uv = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.uv.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-
-    def close(self):
-        self.uv.should_exit = True
-        self.thread.join(15)
-        self.server.batcher.close()
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -463,3 +430,93 @@ def test_captured_values_cannot_reach_another_tenant(live):
     same(secret_a, torch.full((3,), 1.0))                            # nor changed the client's tensor
     a.close()
     b.close()
+
+
+# --------------------------------------------------------------------------- docs/remote.md's "cannot run remotely"
+def test_what_cannot_run_remotely_fails_clearly(lm):
+    from asyncinterp.kernel.errors import ReplacementError
+
+    async def saliency(m):
+        h = await m.transformer.h[0].output
+        return torch.autograd.grad(h.sum(), h)
+
+    with pytest.raises(RemoteError, match="operation 'grad' is not available"):
+        lm.trace(PROMPT, saliency)
+
+    with pytest.raises(TypeError, match="a cache filter function cannot travel"):
+        ai.cache(lm, PROMPT, lambda path, module: path.endswith("mlp"))
+
+    window = ai.Cache("transformer.h.*", start=False)
+
+    async def switch(m):
+        await m.transformer.h[0].output
+        window.start()
+
+    with pytest.raises(TypeError, match="window.*Cache, which cannot travel"):
+        lm.trace(PROMPT, window, switch)
+
+    async def ban(m):
+        logits = await m.lm_head.output
+        logits[:, :, 0] = -float("inf")
+
+    with pytest.raises(ReplacementError, match="inf or nan"):
+        lm.trace(PROMPT, ban)
+    with pytest.raises(ValueError, match="inf or nan"):
+        lm.trace(PROMPT, ban)
+
+    with pytest.raises(TypeError, match="lambda"):
+        lm.trace(PROMPT, lambda m: m.lm_head.output)
+    with pytest.raises(NotImplementedError, match="persistent edits"):
+        lm.edit(ban)
+    with pytest.raises(TypeError, match="not the model's output"):
+        lm.trace(PROMPT)
+
+    async def last(m):
+        return (await m.lm_head.output)[:, -1].clone()
+
+    with pytest.raises(ValueError, match="output_attentions"):
+        lm.trace(PROMPT, last, output_attentions=True)
+
+    async def tokenizer(m):
+        await m.lm_head.output
+        return lm.tokenizer.decode([1])     # the model travels by reference; its tokenizer does not
+
+    with pytest.raises(AttributeError, match="tokenizer"):
+        lm.trace(PROMPT, tokenizer)
+
+    async def returns_a_point(m):
+        return m.lm_head.output
+
+    with pytest.raises(TypeError):
+        lm.trace(PROMPT, returns_a_point)
+
+
+def test_a_remote_cache_fills_the_users_cache(local, lm):
+    here = ai.cache(local, PROMPT, "transformer.h.*")
+    there = ai.cache(lm, PROMPT, "transformer.h.*")
+    assert there.keys() == here.keys() == ["transformer.h.0.output", "transformer.h.1.output"]
+    for key in here.keys():
+        same(here[key], there[key])
+
+
+def test_the_model_travels_by_reference(local, lm):
+    """An intervention reading the model (or a module of it) from its scope gets the served model there."""
+    def reader(model):
+        layers = model.transformer.h
+
+        async def read(m):
+            token = (await layers[-1].output)[:, -1].sum() * 0 + 3
+            return (await m.lm_head.output)[:, -1].clone(), model.decode([int(token)])
+        return read
+
+    here = local.trace(PROMPT, reader(local))
+    same(here, lm.trace(PROMPT, reader(local)))    # the local model's envoys stand for the served model's
+
+    async def decodes(m):
+        ids = (await m.lm_head.output)[0, -3:].argmax(-1)
+        return lm.decode(ids)                       # `lm` is the remote model: the served model's decode
+
+    async def decodes_here(m):
+        ids = (await m.lm_head.output)[0, -3:].argmax(-1)
+        return local.decode(ids)
+    assert lm.trace(PROMPT, decodes) == local.trace(PROMPT, decodes_here)

@@ -146,7 +146,8 @@ class Capture:
             return ["R", index]
         if isinstance(value, Future):
             return ["U", self._future(value)]
-        if isinstance(value, Envoy):   # the model or one of its modules: by reference, resolved where it runs
+        if isinstance(value, Envoy) or getattr(type(value), "travels_as_model", False):
+            # the model or one of its modules (or ai.remote's model): by reference, resolved where it runs
             if getattr(value, "attached", False):
                 raise _cannot(fn, name, value, "an attached module does not travel; attach it on the server")
             return ["E", value.path]

@@ -28,6 +28,8 @@ from __future__ import annotations
 from ..invoke import Invoke
 from ..job import InvokeSpec, Job, frozen_mapping
 from . import wire
+from ..tools.cache import Cache
+from .cache_wire import build_cache, describe_cache
 from .capture import Capture
 from .client import intervention_spec
 from .rebuild import DescriptionRefused, intervention, rebuild
@@ -66,6 +68,9 @@ def dumps_job(job: Job) -> bytes:
         for fn in spec.fns:
             if isinstance(fn, Named):
                 fns.append({"name": fn.name, "params": fn.params})
+                continue
+            if isinstance(fn, Cache):   # an activation cache: its options (see cache_wire)
+                fns.append({"cache": describe_cache(fn)})
                 continue
             try:
                 fns.append({**_plain_form(fn), **capture.add_intervention(fn)})
@@ -111,6 +116,7 @@ def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMI
         compile = _self_contained(compile)
     if named is not None:
         compile = _or_named(compile, named)
+    compile = _or_cache(compile)
     specs = []
     for i, item in enumerate(_list(body, "invokes")):
         if not isinstance(item, dict):
@@ -133,6 +139,15 @@ def _plain_form(fn) -> dict:
         return intervention_spec(fn)
     except TypeError:
         return {}
+
+
+def _or_cache(compile):
+    """An activation cache (``{"cache": options}``) is built here, as trusted code (see :mod:`.cache_wire`)."""
+    def compile_or_cache(spec):
+        if isinstance(spec, dict) and "cache" in spec and "function" not in spec:
+            return build_cache(spec["cache"])
+        return compile(spec)
+    return compile_or_cache
 
 
 def _or_named(compile, named):

@@ -35,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from . import errors, wire
+from .cache_wire import recorded_of
 from .errors import RequestFailed
 from .job_wire import loads_job
 from .protocol import incompatible, versions
@@ -229,9 +230,9 @@ def _outcome(kind, ok, value) -> dict:
         fail = errors.failure(value)
         return {"ok": False, "status": fail.status, "error": fail.error}
     if kind == "generate":
-        return {"ok": True, "value": value.result, "tokens": value.tokens, "text": value.text,
+        return {"ok": True, "value": recorded_of(value.result), "tokens": value.tokens, "text": value.text,
                 "emitted": [{"step": e["step"], "value": e["value"]} for e in value.emitted]}
-    return {"ok": True, "value": value}
+    return {"ok": True, "value": recorded_of(value)}
 
 
 def _outcomes(kind, outcomes) -> list:

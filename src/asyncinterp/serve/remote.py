@@ -41,6 +41,7 @@ from ..job import Trace
 from ..kernel import errors as kernel_errors
 from ..kernel.errors import RunCancelled
 from . import wire
+from .cache_wire import fill_cache
 from .client import _decode_response
 from .job_wire import Named, dumps_job
 from .protocol import VersionMismatch, incompatible, versions
@@ -67,6 +68,8 @@ class RemoteModel:
     """A served model: ``trace``/``atrace``, ``generate``/``agenerate``, ``stream``, ``registered``."""
 
     edits = ()   # persistent edits (model.edit) do not run remotely
+    travels_as_model = True   # an intervention that reads this object gets the served model (capture)
+    path = ""
 
     def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 120.0,
                  check_modules: bool = True, **httpx_kwargs):
@@ -128,6 +131,9 @@ class RemoteModel:
         """``trace(x, fn)`` returns ``fn``'s result; ``trace()`` a :class:`Trace` for ``with`` and ``run.invoke``."""
         if input is _NOTHING and not fns:
             return Trace(self, "trace", on_error)
+        if not fns:
+            raise TypeError("a remote trace returns what its interventions return, not the model's output; pass "
+                            "one (`async def out(m): return await m.output`)")
         trace = Trace(self, "trace", on_error)
         inv = trace.invoke(None if input is _NOTHING else input, *fns, **kwargs)
         trace.run()
@@ -192,6 +198,11 @@ class RemoteModel:
         finally:
             execution.cancel()
             thread.join(self.timeout + 30.0)
+
+    def edit(self, fn, inplace: bool = False):
+        """Persistent edits do not run on a remote model: add the function to every trace's invokes instead."""
+        raise NotImplementedError("persistent edits (model.edit) do not run on a remote model: pass the edit as "
+                                  "an intervention of the invokes it should change")
 
     def close(self) -> None:
         self._http.close()
@@ -313,7 +324,7 @@ class RemoteInvoke(Invoke):
         if not isinstance(entry, dict):
             entry = {"ok": False, "error": {"type": "ProtocolError", "message": "malformed result"}}
         if entry.get("ok"):
-            self._value = entry.get("value")
+            self._value = fill_cache(self.spec.fns, entry.get("value"))   # an ai.Cache: filled with its records
         else:
             self.error = remote_exception(RemoteError.from_wire(entry.get("error"), entry.get("status")))
         self.done = True
@@ -364,6 +375,8 @@ def remote_exception(exc: RemoteError) -> RemoteError:
         base = getattr(kernel_errors, exc.type, None) if exc.type else None
     if exc.type == "VersionMismatch":
         base = VersionMismatch
+    elif exc.type == "BadRequest":   # the server refused an input or option: a bad value, as locally
+        base = ValueError
     if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(base, RemoteError):
         return exc
     cls = _CLASSES.get(base)
