@@ -65,8 +65,8 @@ def __getattr__(name):
         from .models.vllm import VLLM
         return VLLM
     if name == "remote":  # a served model with the local surface (needs the `serve` extra)
-        from .serve.remote import remote
-        return remote
+        import importlib
+        return importlib.import_module(".serve.remote", __name__).remote
     if name in ("models", "serve"):  # serve: needs the `serve` extra (msgpack, starlette, uvicorn, httpx)
         import importlib
         return importlib.import_module(f".{name}", __name__)

@@ -693,6 +693,10 @@ class Server:
         call = functools.partial(self.batcher.generate, x, *fns, **options)
         return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
 
+    # the plumbing that endpoint modules registered beside these (jobs_api) share, by public names
+    read_body, decode_body, check_fields, request_timeout = _read_body, _decode, _fields, _timeout
+    check_input, check_new_tokens, guarded, respond, stream_events = _input, _check_new_tokens, _guarded, _respond, _stream
+
 
 def _msgpack_event(ev) -> bytes:
     if ev["event"] == "done":

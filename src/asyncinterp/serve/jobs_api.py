@@ -65,8 +65,8 @@ def model_versions() -> dict:
 
 async def _jobs(server, request):
     async def work(fields):
-        obj = server._decode(await server._read_body(request))
-        server._fields(obj, _FIELDS)
+        obj = server.decode_body(await server.read_body(request))
+        server.check_fields(obj, _FIELDS)
         _check_versions(obj)
         if server.supervised:
             raise RequestFailed("request", "jobs (POST /v1/jobs) are not available under process isolation yet; "
@@ -77,7 +77,7 @@ async def _jobs(server, request):
         stream = obj.get("stream", False)
         if type(stream) is not bool:
             raise RequestFailed("request", "stream must be a bool")
-        timeout = server._timeout(obj)
+        timeout = server.request_timeout(obj)
         sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
             if server.allow_code else None
         job = _load(server, data, sandbox, timeout)
@@ -97,10 +97,10 @@ async def _jobs(server, request):
                 raise errors.failure(exc) from None
             fields["stream"] = True
             encode = functools.partial(_event, job.kind)
-            return StreamingResponse(server._stream(events, encode), media_type=MSGPACK_STREAM)
+            return StreamingResponse(server.stream_events(events, encode), media_type=MSGPACK_STREAM)
         call = functools.partial(server.batcher.group, job.kind, invokes, **kwargs)
-        return await server._respond(request, fields, call, lambda outcomes: _answer(job.kind, outcomes))
-    return await server._guarded(request, "job", work)
+        return await server.respond(request, fields, call, lambda outcomes: _answer(job.kind, outcomes))
+    return await server.guarded(request, "job", work)
 
 
 def _check_versions(obj) -> None:
@@ -179,7 +179,7 @@ def _checked(server, job):
     if job.kind == "generate":
         gen = dict(job.generation)
         max_new = gen.pop("max_new_tokens", 20)
-        server._check_new_tokens(longest, max_new)
+        server.check_new_tokens(longest, max_new)
         for key, value in gen.items():
             types = _GENERATION_OPTIONS.get(key)
             if types is None:
@@ -197,7 +197,7 @@ def _input(server, value):
     models also what a local invoke takes (docs/language-models.md): a list of prompts, lists of token ids,
     an integer tensor of ids (1-D or 2-D), a tokenizer output (``input_ids`` and ``attention_mask``)."""
     if not server.is_lm or isinstance(value, str):
-        return server._input(value)
+        return server.check_input(value)
     if isinstance(value, dict):
         extra = set(value) - {"input_ids", "attention_mask"}
         if extra or "input_ids" not in value:
@@ -215,14 +215,14 @@ def _input(server, value):
             raise RequestFailed("request", "input: a tensor of token ids is a non-empty 1-D or 2-D integer tensor")
         rows = value.view(-1, value.shape[-1]).tolist()
         for row in rows:
-            server._input(row)
+            server.check_input(row)
         return value, value.shape[-1]
     if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
         if len(value) > server.batcher.max_batch:
             raise RequestFailed("too_large", f"input: {len(value)} rows exceed max_batch={server.batcher.max_batch}")
-        checked = [server._input(v) for v in value]
+        checked = [server.check_input(v) for v in value]
         return [x for x, _ in checked], max(n for _, n in checked)
-    return server._input(value)
+    return server.check_input(value)
 
 
 def _outcome(kind, ok, value) -> dict:

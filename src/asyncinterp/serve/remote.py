@@ -80,7 +80,7 @@ class RemoteModel:
         self.timeout = float(timeout)
         self.check_modules = check_modules
         self.versions = versions()    # what this client sends (and compares with the server's)
-        self._http = httpx.Client(timeout=httpx.Timeout(self.timeout + 10.0, connect=10.0), **httpx_kwargs)
+        self.http = httpx.Client(timeout=httpx.Timeout(self.timeout + 10.0, connect=10.0), **httpx_kwargs)
         self._info = None
         self._tree = None
         self._lock = threading.Lock()
@@ -90,7 +90,7 @@ class RemoteModel:
         """``GET /v1/model`` (fetched once): the module tree, limits, versions; checks the versions."""
         with self._lock:
             if self._info is None:
-                r = self._http.get(f"{self.url}/v1/model", headers=self.headers)
+                r = self.http.get(f"{self.url}/v1/model", headers=self.headers)
                 if r.status_code != 200:
                     try:
                         error = r.json().get("error")
@@ -205,7 +205,7 @@ class RemoteModel:
                                   "an intervention of the invokes it should change")
 
     def close(self) -> None:
-        self._http.close()
+        self.http.close()
 
     def __enter__(self):
         return self
@@ -257,7 +257,7 @@ class RemoteExecution:
         model.info()   # the version check, once
         results = None
         try:
-            with model._http.stream("POST", f"{model.url}/v1/jobs", content=body, headers=model.headers) as r:
+            with model.http.stream("POST", f"{model.url}/v1/jobs", content=body, headers=model.headers) as r:
                 self._response = r
                 if self.cancelled:
                     raise RunCancelled("the remote job was cancelled")
