@@ -520,3 +520,41 @@ def test_the_model_travels_by_reference(local, lm):
         ids = (await m.lm_head.output)[0, -3:].argmax(-1)
         return local.decode(ids)
     assert lm.trace(PROMPT, decodes) == local.trace(PROMPT, decodes_here)
+
+
+def test_a_job_larger_than_max_batch_is_413(lm):
+    async def last(m):
+        return (await m.lm_head.output)[:, -1].clone()
+
+    with pytest.raises(RemoteError, match="max_batch=8") as info:
+        with lm.trace() as run:
+            for _ in range(9):
+                run.invoke(PROMPT, last)
+    assert info.value.status == 413
+
+
+def test_a_server_without_allow_code_takes_registered_interventions_only(local):
+    server = Server(tiny("gpt2"), allow_code=False)
+
+    @server.intervention("last_logits")
+    async def last_logits(m, scale: float = 1.0):
+        return (await m.lm_head.output)[:, -1] * scale
+
+    live = Live(server)
+    try:
+        lm = ai.remote(live.url)
+
+        async def mine(m):
+            return (await m.lm_head.output)[:, -1].clone()
+
+        with pytest.raises(RemoteError, match="--allow-code") as info:
+            lm.trace(PROMPT, mine)
+        assert info.value.status == 400
+        with lm.trace() as run:   # registered ones, several in one job
+            a = run.invoke(PROMPT, lm.registered("last_logits"))
+            b = run.invoke("A dog ran into a", lm.registered("last_logits", scale=3.0))
+        same(a.result, local.trace(PROMPT, mine))
+        same(b.result, local.trace("A dog ran into a", mine) * 3.0)
+        lm.close()
+    finally:
+        live.close()
