@@ -255,6 +255,14 @@ def test_streaming_a_remote_generation(lm):
     assert kinds.index("emit") < kinds.index("done")
     assert events[-1]["result"].text == "".join(e["text"] for e in events if e["event"] == "token")
 
+    async def main():
+        return [e async for e in lm.astream(PROMPT, emits, max_new_tokens=3)]
+    for backend in ("asyncio", "trio"):
+        got = anyio.run(main, backend=backend)
+        assert [e["event"] for e in got].count("token") == 3 and got[-1]["event"] == "done"
+        assert [e["value"] for e in got if e["event"] == "emit"] == \
+            [e["value"] for e in events if e["event"] == "emit"][:3]
+
 
 # --------------------------------------------------------------------------- the whole job is one request
 def test_a_group_is_never_split_across_batches(local, live, lm):
@@ -555,6 +563,35 @@ def test_a_server_without_allow_code_takes_registered_interventions_only(local):
             b = run.invoke("A dog ran into a", lm.registered("last_logits", scale=3.0))
         same(a.result, local.trace(PROMPT, mine))
         same(b.result, local.trace("A dog ran into a", mine) * 3.0)
+        lm.close()
+    finally:
+        live.close()
+
+
+def test_jobs_under_process_isolation(local):
+    """The default of `asyncinterp serve --allow-code`: the model runs in supervised worker processes; a job is
+    checked by the server, rebuilt and run whole in the code worker, and gives the local results."""
+    from asyncinterp.serve.supervisor import ProcessIsolation
+    server = Server(tiny("gpt2"), allow_code=True, isolation=ProcessIsolation(), max_batch=8, code_budget=5.0)
+    live = Live(server)
+    try:
+        lm = ai.remote(live.url)
+        here, _ = _patching(local)
+        there, _ = _patching(lm)
+        same(here, there)
+
+        async def steps(m):
+            out = []
+            async for step in m.steps():
+                out.append(float((await m.transformer.h[0].output).float().norm()))
+                ai.serve.emit(step)
+            return out
+        g_here = local.generate(PROMPT, steps, max_new_tokens=3)
+        g_there = lm.generate(PROMPT, steps, max_new_tokens=3)
+        same(g_here.result, g_there.result)
+        assert g_here.text == g_there.text
+        events = list(lm.stream(PROMPT, steps, max_new_tokens=3))
+        assert [e["value"] for e in events if e["event"] == "emit"] == [0, 1, 2]
         lm.close()
     finally:
         live.close()

@@ -39,6 +39,7 @@ from .cache_wire import recorded_of
 from .errors import RequestFailed
 from .job_wire import loads_job
 from .protocol import incompatible, versions
+from .requests import Meter
 from .rebuild import DescriptionRefused
 from .rebuild_sandbox import Sandboxed
 from .sandbox import SandboxRefused
@@ -68,9 +69,6 @@ async def _jobs(server, request):
         obj = server.decode_body(await server.read_body(request))
         server.check_fields(obj, _FIELDS)
         _check_versions(obj)
-        if server.supervised:
-            raise RequestFailed("request", "jobs (POST /v1/jobs) are not available under process isolation yet; "
-                                           "start the server with --isolation thread")
         data = obj.get("job")
         if not isinstance(data, bytes):
             raise RequestFailed("request", "'job' must be the bytes of asyncinterp.serve.job_wire.dumps_job")
@@ -83,6 +81,17 @@ async def _jobs(server, request):
         job = _load(server, data, sandbox, timeout)
         invokes, options = _checked(server, job)
         fields.update(kind=job.kind, invokes=len(invokes), intervention="job")
+        if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
+            code = _has_code(job)
+            if stream:
+                try:
+                    events = server.batcher.stream_job(data, code=code, timeout=timeout)
+                except Exception as exc:  # noqa: BLE001
+                    raise errors.failure(exc) from None
+                fields["stream"] = True
+                return StreamingResponse(server.stream_events(events, _worker_event), media_type=MSGPACK_STREAM)
+            call = functools.partial(server.batcher.job, data, code=code, timeout=timeout)
+            return await server.respond(request, fields, call, lambda results: {"ok": True, "results": results})
         meter = on_cancel = None
         if sandbox is not None:
             meter = sandbox.clock
@@ -101,6 +110,50 @@ async def _jobs(server, request):
         call = functools.partial(server.batcher.group, job.kind, invokes, **kwargs)
         return await server.respond(request, fields, call, lambda outcomes: _answer(job.kind, outcomes))
     return await server.guarded(request, "job", work)
+
+
+def _has_code(job) -> bool:
+    """Whether the job has interventions of submitted code (captured functions), not only registered ones."""
+    return any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
+
+
+def _worker_event(ev) -> bytes:
+    if ev["event"] == "done":
+        return wire.packb({"event": "done", "ok": True, "results": ev["result"]})
+    return wire.packb(ev)
+
+
+async def run_in_worker(worker, jid, msg, timeout) -> dict:
+    """In a worker process (:mod:`.worker_proc`): rebuild the job as the server did, run it on the worker's
+    batcher as one group, reply with the answer's results (events of a streaming job as they come)."""
+    server = worker.server
+    sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
+        if server.allow_code else None
+    job = _load(server, msg["job"], sandbox, timeout)
+    invokes, options = _checked(server, job)
+    meter = sandbox.clock if sandbox is not None else Meter()
+    worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
+    on_cancel = None
+    if sandbox is not None:
+        def on_cancel():
+            sandbox.clock.cancelled = True
+    kwargs = dict(timeout=timeout, on_cancel=on_cancel, meter=meter, on_error=job.on_error, **options)
+    try:
+        if msg.get("stream"):
+            events = worker.batcher.stream_group(job.kind, invokes, **kwargs)
+            try:
+                async for ev in events:
+                    if ev["event"] == "done":
+                        outcomes = ev["result"]
+                        break
+                    worker.send_event(jid, ev)
+            finally:
+                await events.aclose()
+        else:
+            outcomes = await worker.batcher.group(job.kind, invokes, **kwargs)
+    finally:
+        worker.tags.pop(meter, None)
+    return {"t": "done", "id": jid, "ok": True, "value": _outcomes(job.kind, outcomes)}
 
 
 def _check_versions(obj) -> None:

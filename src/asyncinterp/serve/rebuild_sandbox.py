@@ -79,6 +79,7 @@ class Sandboxed:
             return release(await Driven(fn(SafeEnvoy(m)), clock))
 
         submitted.__qualname__ = submitted.__name__ = name
+        submitted.sandboxed = True   # submitted code (a server puts it in its code worker pool)
         return submitted
 
 

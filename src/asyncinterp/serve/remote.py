@@ -199,6 +199,42 @@ class RemoteModel:
             execution.cancel()
             thread.join(self.timeout + 30.0)
 
+    async def astream(self, input, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
+        """:meth:`stream` for async code (asyncio or trio): ``async for event in lm.astream(...)``."""
+        import anyio
+        await self.ainfo()
+        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        inv = run.invoke(input, *fns)
+        execution = run.start()
+        send, receive = anyio.create_memory_object_stream(float("inf"))
+        token = anyio.lowlevel.current_token()
+
+        def forward(event):
+            anyio.from_thread.run_sync(send.send_nowait, event, token=token)
+
+        async def work():
+            try:
+                await anyio.to_thread.run_sync(lambda: execution.wait(on_event=forward), abandon_on_cancel=True)
+                send.send_nowait({"event": "done", "result": inv})
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the iterating task
+                send.send_nowait(exc)
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    raise
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work)
+            try:
+                async with receive:
+                    async for item in receive:
+                        if isinstance(item, BaseException):
+                            raise item
+                        yield item
+                        if item["event"] == "done":
+                            return
+            finally:
+                execution.cancel()
+                tg.cancel_scope.cancel()
+
     def edit(self, fn, inplace: bool = False):
         """Persistent edits do not run on a remote model: add the function to every trace's invokes instead."""
         raise NotImplementedError("persistent edits (model.edit) do not run on a remote model: pass the edit as "
