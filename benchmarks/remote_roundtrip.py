@@ -191,6 +191,8 @@ def main(argv=None):
         (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (RESULTS / f"{args.out}.md").write_text(
             f"# remote_roundtrip.py ({meta['date']}, {args.reps} paired reps, 1 BLAS thread, medians)\n\n"
+            "Server: `asyncinterp serve MODEL --allow-code --threads 1` in a subprocess (its default process "
+            "isolation: the job runs in a code worker process); client: `ai.remote` in this process.\n\n"
             + "\n".join(table) + "\n")
 
 
