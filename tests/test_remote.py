@@ -595,3 +595,26 @@ def test_jobs_under_process_isolation(local):
         lm.close()
     finally:
         live.close()
+
+
+def test_m_stop_in_a_remote_generation_keeps_what_a_local_one_keeps(local, lm):
+    async def stop_at_tokens(m):
+        async for step in m.steps():
+            await m.tokens
+            if step == 1:
+                m.stop()
+                return step
+
+    async def stop_at_a_layer(m):
+        async for step in m.steps():
+            await m.transformer.h[0].output
+            if step == 1:
+                m.stop()
+                return step
+
+    for fn in (stop_at_tokens, stop_at_a_layer):
+        here = local.generate(PROMPT, fn, max_new_tokens=5)
+        there = lm.generate(PROMPT, fn, max_new_tokens=5)
+        assert there.result == here.result == 1
+        same(here.tokens, there.tokens)
+        assert len(there.tokens) == (2 if fn is stop_at_tokens else 1)
