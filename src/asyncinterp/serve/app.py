@@ -21,6 +21,7 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
   :mod:`.sampling_fields`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
   sandbox and batching as the native endpoints;
 * ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` — vLLM's (shapes in :mod:`.tokenize_api`);
+* ``POST /v1/jobs`` — a whole job of N invokes with captured interventions (``ai.remote``; :mod:`.jobs_api`);
 * ``GET /metrics`` — Prometheus text (:mod:`.metrics`): requests by endpoint and status, sandbox refusals,
   budget cuts, queue depth, worker restarts, and vLLM's own metrics when it records any.
 
@@ -56,7 +57,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import errors, openai_compat, tokenize_api, wire
+from . import errors, jobs_api, openai_compat, tokenize_api, wire
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
 from .metrics import ServerMetrics
@@ -214,6 +215,7 @@ class Server:
             Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/version", self._version, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
         ]
 
         async def http_error(request, exc):
@@ -477,7 +479,7 @@ class Server:
             modules = [[n, type(m).__name__] for n, m in module.named_modules() if n][:20000]
             info = {
                 "model": self.name, "class": type(module).__name__, "language_model": self.is_lm,
-                "modules": modules,
+                "modules": modules, **jobs_api.model_versions(),
                 "interventions": {k: v.describe() for k, v in self.interventions.items()},
                 "allow_code": self.allow_code,
                 "allowed_imports": list(__import__("asyncinterp.serve.sandbox", fromlist=["x"]).ALLOWED_MODULES)
@@ -690,6 +692,10 @@ class Server:
             return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         call = functools.partial(self.batcher.generate, x, *fns, **options)
         return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
+
+    # the plumbing that endpoint modules registered beside these (jobs_api) share, by public names
+    read_body, decode_body, check_fields, request_timeout = _read_body, _decode, _fields, _timeout
+    check_input, check_new_tokens, guarded, respond, stream_events = _input, _check_new_tokens, _guarded, _respond, _stream
 
 
 def _msgpack_event(ev) -> bytes:

@@ -163,6 +163,22 @@ class Batcher(aio.Closable):
         req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, True, meter)
         return GenerationStream(self, req, self._deadline(timeout, req))
 
+    async def group(self, kind, invokes, *, timeout: float | None = None, on_cancel=None, meter=None,
+                    on_error: str = "stop", max_new_tokens: int | None = None, **generate_kwargs) -> list:
+        """Run ``invokes`` (``(input, fns)`` or ``(input, fns, kwargs)``) as one atomic group: the same forward, never split.
+
+        Returns one ``(ok, value)`` per invoke (see :mod:`.groups`); ``timeout``, ``on_cancel`` and
+        ``meter`` cover the whole group (``"generate"``: ``max_new_tokens`` and generation options).
+        """
+        req = self._make_group(kind, invokes, on_cancel, meter, on_error, max_new_tokens, generate_kwargs, False)
+        return await self._wait(req, timeout)
+
+    def stream_group(self, kind, invokes, *, timeout: float | None = None, on_cancel=None, meter=None,
+                     on_error: str = "stop", max_new_tokens: int | None = None, **generate_kwargs):
+        """Like :meth:`group`, as an async iterator of its members' events (tagged ``"invoke": i``), then done."""
+        req = self._make_group(kind, invokes, on_cancel, meter, on_error, max_new_tokens, generate_kwargs, True)
+        return GenerationStream(self, req, self._deadline(timeout, req))
+
     def queue_size(self) -> int:
         return len(self._pending) + len(self._running)
 
@@ -194,6 +210,24 @@ class Batcher(aio.Closable):
         else:
             key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
         req = Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream, meter)
+        req.meter.attach(self.ledger)
+        self._submit(req)
+        return req
+
+    def _make_group(self, kind, invokes, on_cancel, meter, on_error, max_new_tokens, gen, stream):
+        from .groups import Group
+        if self._live:
+            raise TypeError("a job of several invokes as one group is not available on a live engine (vLLM) yet")
+        if not invokes or len(invokes) > self.max_batch:
+            raise ValueError(f"a group has 1 to max_batch={self.max_batch} invokes, got {len(invokes)}")
+        if kind == "generate":
+            if not self._is_lm:
+                raise TypeError("generation requests need a LanguageModel (with a tokenizer and generate)")
+            key = ("generate", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
+        else:
+            kwargs = invokes[0][2] if len(invokes[0]) > 2 else {}   # (the invokes of a job agree on them)
+            key = ("trace", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
+        req = Group(kind, invokes, key, gen, max_new_tokens, on_cancel, stream, meter, on_error)
         req.meter.attach(self.ledger)
         self._submit(req)
         return req
@@ -341,18 +375,20 @@ class Batcher(aio.Closable):
             first = self._pending[0]
             deadline = first.arrival + self.max_wait
             while True:
-                n = sum(1 for r in self._pending if r.key == first.key and r.state == "queued")
+                n = sum(r.size for r in self._pending if r.key == first.key and r.state == "queued")
                 now = time.monotonic()
                 if n >= self.max_batch or now >= deadline or self._closed:
                     break
                 cond.wait(deadline - now)
             batch = []
             keep = collections.deque()
+            size = 0   # invokes in the batch (a group is never split: it goes in whole or waits)
             for r in self._pending:
                 if r.state != "queued":
                     continue
-                if len(batch) < self.max_batch and r.key == first.key:
+                if size + r.size <= self.max_batch and r.key == first.key:
                     batch.append(r)
+                    size += r.size
                 else:
                     keep.append(r)
             self._pending = keep
@@ -383,6 +419,8 @@ class Batcher(aio.Closable):
             for r in live:
                 if r.state != "running":
                     continue
+                if hasattr(r, "reset"):   # a group: its members start again
+                    r.reset()
                 r.invoke = None
                 r.tokens = None
                 r.emitted = []
@@ -408,7 +446,7 @@ class Batcher(aio.Closable):
             run = Trace(model, "trace", "continue", stop_per_invoke=True)
         requests = {}
         run.context[REQUESTS] = requests
-        for r in live:
+        for r in [m for g in live for m in getattr(g, "members", (g,))]:   # a group: each of its invokes
             try:
                 inv = run.invoke(r.input, *r.fns, **r.kwargs)
             except Exception as exc:  # this request's input or intervention is invalid: only it fails
@@ -553,8 +591,15 @@ class _GenerationWatch:
 
     async def __call__(self, m):
         run = self.run = current_run()
+        run.tap(m.logits, self._on_logits)
         run.tap(m.tokens, self._on_tokens)
         return None
+
+    def _on_logits(self, _):
+        """Which invokes were stopped before this step's token was chosen (as locally, they get no token)."""
+        self.before = frozenset(self.run.stopped_invokes)
+
+    before = frozenset()
 
     def _ended(self, row_tokens, eos, stops) -> bool:
         """Whether a row ends with an end-of-sequence token or its text has a stop string (``stop`` option)."""
@@ -575,7 +620,14 @@ class _GenerationWatch:
             rows = ids[span[0]:span[1]] if span is not None else ids
             if r.tokens is None:
                 r.tokens = [[] for _ in rows]
-            if idx in run.stopped_invokes:   # m.stop() during this step: like a stopped run, no token from it
+            if idx in run.stopped_invokes:
+                # m.stop() during this step: like a stopped run, no token from it, unless it stopped at the
+                # tokens point itself (the token was chosen: a local run keeps it too)
+                if idx not in self.before:
+                    for row_tokens, t in zip(r.tokens, rows):
+                        if len(row_tokens) < r.max_new_tokens and not (row_tokens and row_tokens[-1] in eos):
+                            row_tokens.append(int(t))
+                    r.stream_tokens(self.tokenizer)
                 kernel.end_group(idx)
                 r.finish_generation(self.tokenizer, early=True)
                 continue

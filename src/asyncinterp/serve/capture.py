@@ -16,6 +16,8 @@ code), so :class:`Capture` describes it instead:
   identity: one future here is one future on the other side;
 * the **modules** it uses (``torch``, ``math``, ``asyncinterp as ai``), by
   name only, when the sandbox policy allows them;
+* the model and its modules (envoys), by reference: their path, resolved
+  on the model of the side that runs the job;
 * builtins are not captured (the other side has its own).
 
 Anything else is a ``TypeError`` here, on the client, naming the variable,
@@ -37,6 +39,7 @@ import types
 
 import torch
 
+from ..hooks.envoy import Envoy
 from ..kernel.futures import Future
 from .sandbox.policy import ALLOWED_MODULES
 
@@ -87,6 +90,10 @@ class Capture:
         self._kept.append(fn)
         entry = {"name": fn.__name__, "source": _source(fn), "line": fn.__code__.co_firstlineno,
                  "file": fn.__code__.co_filename, "values": {}, "functions": {}, "modules": {}, "futures": {}}
+        if fn.__defaults__ or fn.__kwdefaults__:   # values, like the rest: `async def f(m, i=i)` travels
+            entry["source"] = _without_defaults(entry["source"])
+            entry["defaults"] = [self._value(v, fn, f"(default {i})", 0) for i, v in enumerate(fn.__defaults__ or ())]
+            entry["kwdefaults"] = {k: self._value(v, fn, k, 0) for k, v in (fn.__kwdefaults__ or {}).items()}
         self.functions.append(entry)
         _refuse_cell_writes(fn)
         for name, value in _reads(fn):
@@ -139,6 +146,11 @@ class Capture:
             return ["R", index]
         if isinstance(value, Future):
             return ["U", self._future(value)]
+        if isinstance(value, Envoy) or getattr(type(value), "travels_as_model", False):
+            # the model or one of its modules (or ai.remote's model): by reference, resolved where it runs
+            if getattr(value, "attached", False):
+                raise _cannot(fn, name, value, "an attached module does not travel; attach it on the server")
+            return ["E", value.path]
         tag = _CONTAINERS.get(type(value))
         if tag is None:
             raise _cannot(fn, name, value, "only tensors, numbers, strings, bytes, None, ai.Future and lists, "
@@ -191,6 +203,23 @@ def _source(fn) -> str:
         raise TypeError(f"{name} is decorated ({fn.__code__.co_filename}, line {node.lineno}); a decorated "
                         "function cannot travel as source: send the undecorated function")
     return source
+
+
+def _without_defaults(source: str) -> str:
+    """``source`` with each parameter default replaced by ``None`` (same lines: tracebacks keep their numbers).
+
+    Defaults are values computed where the function was defined (``i=i`` binds a loop variable); they
+    travel as captured values and are set on the rebuilt function (:mod:`.rebuild`), so that the
+    source the other side checks holds no expression of the defining scope.
+    """
+    node = ast.parse(source).body[0]
+    spans = [d for d in (*node.args.defaults, *node.args.kw_defaults) if d is not None]
+    lines = [line.encode() for line in source.splitlines(True)]
+    for d in sorted(spans, key=lambda d: (d.lineno, d.col_offset), reverse=True):
+        first, last = d.lineno - 1, d.end_lineno - 1
+        head, tail = lines[first][:d.col_offset], lines[last][d.end_col_offset:]
+        lines[first:last + 1] = [head + b"None" + b"\n" * (last - first) + tail]
+    return b"".join(lines).decode()
 
 
 def _reads(fn):

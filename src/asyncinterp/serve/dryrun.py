@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..job import Job, Trace
 from .job_wire import dumps_job, loads_job
-from .rebuild import checked
+from .rebuild import checked, resolve
 
 __all__ = ["dry_run"]
 
@@ -35,9 +35,25 @@ def dry_run(model, job, compile_source=checked) -> Job:
         job = job.job
     if not isinstance(job, Job):
         raise TypeError(f"dry_run takes a Job or a model.trace() being built, got {type(job).__name__}")
+    if getattr(compile_source, "envoy", None) is None:   # captured references to the model: this model's modules
+        compile_source = _WithModel(compile_source, model)
     back = loads_job(dumps_job(job), compile_source=compile_source)
     engine = model.engine(back.kind)
     carrier = type(engine.make_invoke(0, None, (), {}, False))   # the engine's result carrier (e.g. tokens too)
     back = back.replace(results=tuple(carrier(i, spec) for i, spec in enumerate(back.invokes)))
     engine.start(back).wait()
     return back
+
+
+class _WithModel:
+    """A compile function that also resolves captured references to ``model``'s modules."""
+
+    def __init__(self, compile_source, model):
+        self.compile_source = compile_source
+        self.model = model
+
+    def __call__(self, source, filename, namespace):
+        return self.compile_source(source, filename, namespace)
+
+    def envoy(self, path):
+        return resolve(self.model, path)

@@ -9,7 +9,8 @@ the values, helpers, modules and futures they read; what two invokes share
 is shared after the trip). Reading a job back never executes anything by
 itself: the caller passes ``compile_source`` (see :mod:`.rebuild`: on a
 server, the sandbox's), through which every captured source is compiled.
-The older ``compile(spec)`` (one self-contained intervention's
+``named(spec)`` binds an intervention registered on the server
+(:class:`Named`, ``{"name", "params"}``). The older ``compile(spec)`` (one self-contained intervention's
 ``{"source", "entry", "params"}`` to a callable) still works when no
 ``compile_source`` is given; it refuses what a closure or global needs.
 
@@ -27,14 +28,35 @@ from __future__ import annotations
 from ..invoke import Invoke
 from ..job import InvokeSpec, Job, frozen_mapping
 from . import wire
+from ..tools.cache import Cache
+from .cache_wire import build_cache, describe_cache
 from .capture import Capture
 from .client import intervention_spec
 from .rebuild import DescriptionRefused, intervention, rebuild
 
-__all__ = ["JOB_FORMAT", "dumps_job", "loads_job"]
+__all__ = ["JOB_FORMAT", "Named", "dumps_job", "loads_job"]
 
 #: the version of a job's wire form; a reader refuses any other
 JOB_FORMAT = 2
+
+
+class Named:
+    """An intervention registered on the server, by name (``remote.registered("top_k", k=5)``): it travels
+    as ``{"name", "params"}`` and the server binds its own function (trusted code, no capture)."""
+
+    def __init__(self, name: str, params: dict | None = None):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"a registered intervention's name is a non-empty string, got {name!r}")
+        self.name = name
+        self.params = dict(params or {})
+        self.__qualname__ = self.__name__ = name
+
+    async def __call__(self, m):
+        raise RuntimeError(f"{self.name!r} is an intervention registered on a server: it runs only there "
+                           "(through ai.remote)")
+
+    def __repr__(self):
+        return f"<registered intervention {self.name!r} {self.params}>"
 
 
 def dumps_job(job: Job) -> bytes:
@@ -44,6 +66,12 @@ def dumps_job(job: Job) -> bytes:
     for i, spec in enumerate(job.invokes):
         fns = []
         for fn in spec.fns:
+            if isinstance(fn, Named):
+                fns.append({"name": fn.name, "params": fn.params})
+                continue
+            if isinstance(fn, Cache):   # an activation cache: its options (see cache_wire)
+                fns.append({"cache": describe_cache(fn)})
+                continue
             try:
                 fns.append({**_plain_form(fn), **capture.add_intervention(fn)})
             except TypeError as exc:
@@ -62,7 +90,7 @@ def dumps_job(job: Job) -> bytes:
 
 
 def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
-              compile_source=None) -> Job:
+              compile_source=None, named=None) -> Job:
     """The job that :func:`dumps_job` wrote, its interventions rebuilt with ``compile_source`` (see :mod:`.rebuild`).
 
     Without ``compile_source``, ``compile(spec)`` turns each intervention's self-contained form
@@ -86,6 +114,9 @@ def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMI
         raise TypeError("loads_job needs compile_source (see asyncinterp.serve.rebuild) or compile")
     else:
         compile = _self_contained(compile)
+    if named is not None:
+        compile = _or_named(compile, named)
+    compile = _or_cache(compile)
     specs = []
     for i, item in enumerate(_list(body, "invokes")):
         if not isinstance(item, dict):
@@ -108,6 +139,24 @@ def _plain_form(fn) -> dict:
         return intervention_spec(fn)
     except TypeError:
         return {}
+
+
+def _or_cache(compile):
+    """An activation cache (``{"cache": options}``) is built here, as trusted code (see :mod:`.cache_wire`)."""
+    def compile_or_cache(spec):
+        if isinstance(spec, dict) and "cache" in spec and "function" not in spec:
+            return build_cache(spec["cache"])
+        return compile(spec)
+    return compile_or_cache
+
+
+def _or_named(compile, named):
+    """``named(spec)`` for a registered intervention (``{"name", "params"}``), ``compile(spec)`` for the rest."""
+    def compile_or_bind(spec):
+        if isinstance(spec, dict) and "name" in spec and "function" not in spec:
+            return named(spec)
+        return compile(spec)
+    return compile_or_bind
 
 
 def _self_contained(compile):

@@ -35,13 +35,14 @@ import platform
 
 import torch
 
+from ..hooks.modules import submodules
 from ..kernel.futures import Future
 from .capture import FORMAT, MAX_VALUE_DEPTH, version
 from .sandbox.checker import check_source
 from .sandbox.policy import ALLOWED_MODULES
 from .wire import WireError
 
-__all__ = ["DescriptionRefused", "checked", "intervention", "rebuild", "trusted"]
+__all__ = ["DescriptionRefused", "checked", "intervention", "rebuild", "resolve", "trusted"]
 
 
 class DescriptionRefused(WireError):
@@ -67,7 +68,7 @@ def rebuild(description, compile_source) -> list:
         if not isinstance(t, torch.Tensor):
             raise DescriptionRefused(f"the tensor table holds a {type(t).__name__}, not a tensor")
     futures = [Future(_name(n, allow_none=True)) for n in _list(body, "futures")]
-    reader = _Reader(tensors, futures)
+    reader = _Reader(tensors, futures, getattr(compile_source, "envoy", None))
     entries = _list(body, "functions")
     spaces, built = [], []
     for i, entry in enumerate(entries):
@@ -95,12 +96,40 @@ def rebuild(description, compile_source) -> list:
         fn = namespace.get(name)
         if not callable(fn):
             raise DescriptionRefused(f"function {name}: its source does not define {name}")
+        _set_defaults(fn, entry, reader, getattr(compile_source, "private", None))
         spaces.append(namespace)
         built.append(fn)
     for entry, namespace in zip(entries, spaces):   # helpers last: cycles (f calls g calls f) are fine
         for var, index in _map(entry, "functions").items():
             namespace[_name(var)] = built[_index(index, built, "function")]
     return _Built(built, reader)
+
+
+def resolve(model, path: str):
+    """The envoy of ``model``'s module at ``path`` (``""``: the model), only through submodule names."""
+    envoy = model
+    for part in path.split(".") if path else ():
+        if part not in submodules(envoy.module):
+            raise DescriptionRefused(f"the model has no module {path!r} (a captured reference names it)")
+        envoy = envoy.child(part)
+    return envoy
+
+
+def _set_defaults(fn, entry, reader, private) -> None:
+    """The captured parameter defaults of ``fn`` (its source carries ``None`` in their place)."""
+    defaults, kwdefaults = entry.get("defaults"), entry.get("kwdefaults")
+    if defaults is None and kwdefaults is None:
+        return
+    own = private or (lambda v: v)
+    if defaults is not None:
+        if not isinstance(defaults, (list, tuple)) or len(defaults) != len(fn.__defaults__ or ()):
+            raise DescriptionRefused(f"function {entry.get('name')}: its defaults do not match its parameters")
+        fn.__defaults__ = tuple(own(reader.value(v, 0)) for v in defaults)
+    if kwdefaults is not None:
+        if not isinstance(kwdefaults, dict) or set(kwdefaults) != set(fn.__kwdefaults__ or ()):
+            raise DescriptionRefused(f"function {entry.get('name')}: its keyword defaults do not match its "
+                                     "parameters")
+        fn.__kwdefaults__ = {k: own(reader.value(v, 0)) for k, v in kwdefaults.items()}
 
 
 class _Built(list):
@@ -195,9 +224,10 @@ def _placed(source: str, imports: str, line: int) -> str:
 class _Reader:
     """Captured values back from their tagged form (:meth:`.capture.Capture._value`)."""
 
-    def __init__(self, tensors, futures):
+    def __init__(self, tensors, futures, envoy=None):
         self.tensors = tensors
         self.futures = futures
+        self.envoy = envoy     # path -> the model's module there (a reference to the model), if any
 
     def value(self, item, depth):
         if depth > MAX_VALUE_DEPTH:
@@ -213,6 +243,13 @@ class _Reader:
             return self.tensors[_index(payload, self.tensors, "tensor")]
         if tag == "U":
             return self.futures[_index(payload, self.futures, "future")]
+        if tag == "E":
+            if self.envoy is None:
+                raise DescriptionRefused(f"a captured value refers to the model's module {payload!r:.80}; rebuild "
+                                         "it with a compile function that knows the model (its `envoy(path)`)")
+            if not isinstance(payload, str) or len(payload) > 1000:
+                raise DescriptionRefused("a reference to the model is not a module path")
+            return self.envoy(payload)
         if not isinstance(payload, (list, tuple)):
             raise DescriptionRefused(f"a captured {tag!r} value holds no list")
         try:

@@ -40,8 +40,16 @@ __all__ = ["Sandboxed"]
 class Sandboxed:
     """Compile captured source as the sandbox compiles submitted code (``deadline``, ``budget``: see ``Clock``)."""
 
-    def __init__(self, deadline: float | None = None, budget: float | None = None):
+    def __init__(self, deadline: float | None = None, budget: float | None = None, model=None):
         self.clock = Clock(deadline, budget)
+        self.model = model
+
+    def envoy(self, path: str):
+        """A captured reference to the model's module at ``path``, as submitted code sees modules."""
+        from .rebuild import DescriptionRefused, resolve
+        if self.model is None:
+            raise DescriptionRefused("this job refers to the model's modules, but no model was given")
+        return SafeEnvoy(resolve(self.model, path), path == "")
 
     def __call__(self, source: str, filename: str, namespace: dict) -> None:
         tree = check_source(source)
@@ -49,16 +57,21 @@ class Sandboxed:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         code = compile(instrument(tree), filename, "exec")
         for name, value in list(namespace.items()):
-            if not isinstance(value, Future) and name != "__name__":
+            if not isinstance(value, (Future, SafeEnvoy)) and name != "__name__":
                 namespace[name] = _private(value)
         namespace.update({"__builtins__": safe_builtins(), TICK: self.clock.tick, SETPOINT: setpoint,
                           PLAIN: text_safe, MEMBER: read_unlisted})
         exec(code, namespace)  # noqa: S102 - checked and instrumented above, restricted builtins
 
+    @staticmethod
+    def private(value):
+        """A captured value as submitted code gets it (a private copy; futures as they are)."""
+        return value if isinstance(value, (Future, SafeEnvoy)) else _private(value)
+
     def entry(self, fn):
         """An entry point as the engine calls it: the model seen through ``SafeEnvoy``, results released."""
         if isinstance(fn, functools.partial):
-            fn = functools.partial(fn.func, *fn.args, **{k: _private(v) for k, v in fn.keywords.items()})
+            fn = functools.partial(fn.func, *fn.args, **{k: self.private(v) for k, v in fn.keywords.items()})
         clock = self.clock
         name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "captured")
 
@@ -66,6 +79,7 @@ class Sandboxed:
             return release(await Driven(fn(SafeEnvoy(m)), clock))
 
         submitted.__qualname__ = submitted.__name__ = name
+        submitted.sandboxed = True   # submitted code (a server puts it in its code worker pool)
         return submitted
 
 

@@ -152,6 +152,8 @@ class Request:
                  "invoke", "lock", "mailbox", "on_cancel", "tokens", "streamed", "emitted", "stream", "finished",
                  "meter")
 
+    size = 1   # invokes this request puts into a batch (a Group of serve.groups: several)
+
     def __init__(self, kind, input, fns, kwargs, key, gen=None, max_new_tokens=None, on_cancel=None,
                  stream=False, meter=None):
         self.id = next(_ids)

@@ -273,6 +273,9 @@ class Worker:
 
     async def _call(self, jid, kind, msg, fns, timeout, on_cancel, meter):
         batcher = self.batcher
+        if kind == "job":   # a remote job: rebuilt here (sandboxed) and run whole (see jobs_api)
+            from . import jobs_api
+            return await jobs_api.run_in_worker(self, jid, msg, timeout)
         if kind == "trace":
             value = await batcher.trace(msg["input"], *fns, timeout=timeout, on_cancel=on_cancel, meter=meter)
             return {"t": "done", "id": jid, "ok": True, "value": value}
@@ -299,6 +302,8 @@ class Worker:
             data = wire.packb({"t": "event", "id": jid, "event": {
                 "event": "error", "ok": False, "error": errors.reported(exc)[1]}})
         self.channel.send_bytes(data)
+
+    send_event = _event   # (for jobs_api.run_in_worker)
 
     def _reply(self, reply) -> None:
         try:

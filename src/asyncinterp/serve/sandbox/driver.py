@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 
+from ...kernel.scheduler import current_run
+from ...kernel.traps import PointTrap
 from .values import check_replacement, rebuild
 from .tensors import version_of
 
@@ -45,10 +47,16 @@ class TaskState:
                 raw = p.raw
         return raw
 
-    def flush(self):
+    def flush(self, keep: bool = False):
         """Write in-place edits of private copies back through ``point.replace`` (called when the task
-        awaits something else or returns: while the point is still firing)."""
-        pending, self.pending = self.pending, []
+        awaits something else or returns: while the point is still firing).
+
+        ``keep``: the task waits for something that is not a hook point (a future, a sub-task), so the
+        model may still be at the same point when it resumes (a future set by a later invoke at the same
+        point): the copies stay watched, and later edits are written back while their point still fires
+        (after that, as locally, editing a value the model has moved past changes nothing)."""
+        pending = self.pending
+        self.pending = pending if keep else []
         for p in pending:
             if p.done:
                 continue
@@ -57,8 +65,22 @@ class TaskState:
                 if version_of(copied) != version:
                     what = f"in-place edit of {p.point.describe() if hasattr(p.point, 'describe') else 'a value'}"
                     changes[path] = check_replacement(copied.clone(), raw_leaf, what)
-            if changes:
+            if changes and _firing(p.point):
                 p.point.replace(rebuild(p.raw, changes))
+            if keep:
+                p.leaves = [(path, raw, copied, version_of(copied)) for path, raw, copied, _ in p.leaves]
+        if keep:
+            self.pending = [p for p in pending if not p.done and _firing(p.point)]
+
+
+def _firing(point) -> bool:
+    """Whether ``point`` is firing now in the current run (points of other kinds: assumed so)."""
+    key = getattr(point, "key", None)
+    run = current_run()
+    firing = getattr(run, "firing", None)
+    if key is None or firing is None:
+        return True
+    return firing(key) is not None
 
 
 _LOCAL = threading.local()
@@ -95,7 +117,7 @@ class Driven:
                     clock.resume()
                 try:
                     trap = coro.throw(exc) if exc is not None else coro.send(send)
-                    state.flush()
+                    state.flush(keep=not isinstance(trap, PointTrap))
                 except StopIteration as stop:
                     state.flush()
                     return stop.value

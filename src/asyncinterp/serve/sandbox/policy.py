@@ -238,7 +238,8 @@ TEXT_SAFE_TYPES = (str, bytes, int, float, complex, bool, type(None), torch.dtyp
 # the shape, dtype and device of the value it replaces, and finite. What leaves (the result, emit) may only be
 # tensors, numbers, strings, bytes and containers of them.
 ENVOY_ATTRIBUTES = _words("path skip")
-ROOT_ATTRIBUTES = _words("steps stop generated")     # the model itself only
+ROOT_ATTRIBUTES = _words("steps stop generated",     # the model itself only
+                         "decode to_tokens token_id")  # a language model's tokenizer, text <-> ids only
 POINT_ATTRIBUTES = _words("replace set")             # a hook point: await it, or replace / set it
 
 # --------------------------------------------------------------------------- attribute names

@@ -14,6 +14,8 @@ import copy
 
 import torch
 
+from ...kernel.errors import ReplacementError  # a ValueError, as a local run raises
+
 from . import policy
 from .tensors import DisableTorchFunction, plain, private_copy, version_of
 
@@ -86,14 +88,14 @@ def check_replacement(new: torch.Tensor, old, what: str) -> torch.Tensor:
     """``new`` if it may stand in for ``old``: same shape, dtype and device, and finite."""
     if isinstance(old, torch.Tensor):
         if tuple(new.shape) != tuple(old.shape):
-            raise ValueError(f"{what}: the replacement has shape {tuple(new.shape)}, the value has "
+            raise ReplacementError(f"{what}: the replacement has shape {tuple(new.shape)}, the value has "
                              f"{tuple(old.shape)}")
         if new.dtype != old.dtype:
-            raise ValueError(f"{what}: the replacement has dtype {new.dtype}, the value has {old.dtype}")
+            raise ReplacementError(f"{what}: the replacement has dtype {new.dtype}, the value has {old.dtype}")
         if new.device != old.device:
-            raise ValueError(f"{what}: the replacement is on {new.device}, the value on {old.device}")
+            raise ReplacementError(f"{what}: the replacement is on {new.device}, the value on {old.device}")
     if (new.is_floating_point() or new.is_complex()) and not bool(torch.isfinite(new).all()):
-        raise ValueError(f"{what}: the replacement holds inf or nan")
+        raise ReplacementError(f"{what}: the replacement holds inf or nan")
     return new
 
 
