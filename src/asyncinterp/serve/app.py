@@ -63,6 +63,7 @@ from .metrics import ServerMetrics
 from .errors import RequestFailed
 from .params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401 (re-exported)
 from .sandbox import ProgramCache, SandboxRefused, SandboxTimeout
+from .sandbox.gradients import check_no_grad_refusal
 
 log = logging.getLogger("asyncinterp.serve")
 
@@ -359,6 +360,7 @@ class Server:
                 raise RequestFailed("request", "source and entry must be strings")
             try:
                 program = self.programs.get(source, entry)
+                check_no_grad_refusal(program, self.front.kind)     # gradients need autograd (not vLLM)
                 fn, clock = program.bind(params, time.monotonic() + timeout, min(self.code_budget, timeout))
             except SandboxRefused as exc:
                 raise RequestFailed("refused", str(exc)) from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 from .values import check_replacement, rebuild
-from .tensors import version_of
+from .tensors import DisableTorchFunction, version_of
 
 
 class Pending:
@@ -53,12 +53,21 @@ class TaskState:
             if p.done:
                 continue
             changes = {}
-            for path, raw_leaf, copied, version in p.leaves:
-                if version_of(copied) != version:
+            for path, raw_leaf, private, version in p.leaves:
+                # a copy connected to the autograd graph (a gradient request) is always written back: the model
+                # continues with it for this request's rows, so gradients with respect to it exist
+                if version_of(private) != version or _on_graph(private):
                     what = f"in-place edit of {p.point.describe() if hasattr(p.point, 'describe') else 'a value'}"
-                    changes[path] = check_replacement(copied.clone(), raw_leaf, what)
+                    with DisableTorchFunction():
+                        copied = private.clone()
+                    changes[path] = check_replacement(copied, raw_leaf, what)
             if changes:
                 p.point.replace(rebuild(p.raw, changes))
+
+
+def _on_graph(t) -> bool:
+    with DisableTorchFunction():
+        return t.requires_grad
 
 
 _LOCAL = threading.local()
