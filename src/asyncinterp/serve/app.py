@@ -56,7 +56,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import errors, openai_compat, tokenize_api, wire
+from . import confine, errors, openai_compat, tokenize_api, wire
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
 from .metrics import ServerMetrics
@@ -174,6 +174,7 @@ class Server:
         self.metrics = ServerMetrics(self.batcher, vllm=self.front.kind == "vllm")   # this server's own registry
         self.interventions: dict[str, Registered] = {}
         self.programs = ProgramCache()
+        self.confinement = confine.at_start(self)     # whether submitted code runs confined (said at start)
         self._app = None
         self.started = int(time.time())
         if builtin_interventions and self.is_lm:
@@ -471,7 +472,7 @@ class Server:
     async def _health(self, request):
         extra = self.batcher.health() if self.supervised else {}
         return JSONResponse({"status": "ok", "model": self.name, "queue": self.batcher.queue_size(),
-                             "batches": self.batcher.stats["batches"], **extra})
+                             "batches": self.batcher.stats["batches"], "confinement": self.confinement, **extra})
 
     async def _model_info(self, request):
         async def work(fields):

@@ -80,7 +80,11 @@ class ProcessIsolation:
     runs in a worker of its own (else in the one worker). ``code_nice``: the
     CPU niceness added to that worker, so that the server and registered
     requests come first. ``max_failed_starts``: workers that fail to start
-    in a row before the pool fails its waiting requests (503).
+    in a row before the pool fails its waiting requests (503). ``confine``:
+    the worker that runs submitted code is confined by seccomp
+    (:mod:`.confine`: no exec, no new process, no new socket, no file writes);
+    ``"auto"``: where the platform can (the server says at start whether it
+    does), ``True``: the server refuses to start where it cannot, ``False``: off.
     """
 
     hang_timeout: float = 5.0
@@ -89,6 +93,7 @@ class ProcessIsolation:
     code_worker: bool = True
     code_nice: int = 10
     max_failed_starts: int = 3
+    confine: bool | str = "auto"
 
     def __post_init__(self):
         if not self.hang_timeout > 0 or not self.start_timeout > 0:
