@@ -56,7 +56,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import confine, errors, openai_compat, tokenize_api, wire
+from . import confine, errors, openai_compat, sessions, tokenize_api, wire
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
 from .metrics import ServerMetrics
@@ -216,6 +216,7 @@ class Server:
             Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/version", self._version, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
         ]
 
         async def http_error(request, exc):

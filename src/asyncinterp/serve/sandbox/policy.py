@@ -182,6 +182,8 @@ log1p log2 modf nan nextafter perm pi pow prod radians remainder sin sinh sqrt t
 # both operations); higher-order gradients (create_graph=True) are refused. Requests whose source names one
 # of GRADIENT_NAMES run in forward passes with autograd on, batched only with each other.
 AUTOGRAD_FUNCTIONS = _words("grad")
+# what a session (serve/sessions.py: an `async def sweep(model)` run on the server) calls on its model
+SESSION_NAMES = _words("atrace agenerate token_id to_tokens")
 GRADIENT_NAMES = _words("grad backward autograd")
 
 ASYNCINTERP_ERRORS = _words("MissedHookPoint OutOfOrderError ReplacementError UnsetFutureError AsyncInterpError "
@@ -306,4 +308,5 @@ ALLOWED_ATTRIBUTES = frozenset(name for name in (
     TENSOR_METHODS | TENSOR_PROPERTIES | TORCH_FUNCTIONS | FUNCTIONAL | LINALG_FUNCTIONS | FFT_FUNCTIONS
     | SPECIAL_FUNCTIONS | TORCH_VALUES | TORCH_DTYPES | TORCH_SUBMODULES | MATH_NAMES | ASYNCINTERP_NAMES
     | PYTHON_VALUE_ATTRIBUTES | RESULT_FIELDS | FINFO_FIELDS | OUTPUT_FIELDS | TASK_METHODS | GRADIENT_NAMES
+    | SESSION_NAMES
 ) if not name.startswith(PRIVATE_ATTRIBUTE)) - REFUSED_ATTRIBUTES     # operators (__add__) are private in source
