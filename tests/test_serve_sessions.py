@@ -212,3 +212,23 @@ def test_session_code_is_checked_like_submitted_code(live):
     assert status == 422 and "must be an `async def` of the session's own code" in message
     status, message = _post_session(live, "async def s(model):\n    return model._server\n", {})
     assert status == 400 and "private" in message
+
+
+def test_a_session_runs_in_the_confined_worker_with_process_isolation(model):
+    """The CLI's default with --allow-code: the session runs in the worker process of submitted code."""
+    from asyncinterp.serve.supervisor import ProcessIsolation
+    server = Server(model, api_keys=[KEY], allow_code=True, exact=True, max_wait_ms=5, timeout=20,
+                    code_budget=0.5, isolation=ProcessIsolation(hang_timeout=2.0, memory_limit=512 << 20))
+    server.batcher.start()
+    srv = Live(server)
+    try:
+        with Client(srv.url, api_key=KEY, timeout=60) as c:
+            got = c.session(sweep)
+            with pytest.raises(RemoteError, match="compute budget"):
+                c.session(spin_between_traces)
+            health = c.health()
+        assert torch.equal(got, asyncio.run(sweep(model)))
+        assert health["workers"]["code"]["restarts"] == 0
+        assert health["workers"]["code"]["confined"] is (health["confinement"]["active"] is True)
+    finally:
+        srv.close()

@@ -208,6 +208,7 @@ def load_session(server, body: dict, batcher, timeout: float):
         except BaseException:
             clock.cancelled = True      # anything of the session still running stops at its next line
             raise
+    run.clock = clock
     return run
 
 
@@ -217,14 +218,13 @@ async def session_endpoint(server, request):
         if not server.allow_code:
             raise RequestFailed("refused", "this server does not accept submitted code (start it with "
                                            "--allow-code), so it runs no sessions")
-        if server.supervised:
-            raise RequestFailed("refused", "sessions run only on servers with isolation='thread' for now (this "
-                                           "one runs the model in worker processes)")
         obj = server._decode(await server._read_body(request))
         server._fields(obj, {"capture", "session", "timeout"})
         timeout = server._timeout(obj)
         name = (obj.get("session") or {}).get("function") if isinstance(obj.get("session"), dict) else None
         fields["intervention"] = f"session:{short_repr(name)}"
-        run = load_session(server, obj, server.batcher, timeout)
+        run = load_session(server, obj, server.batcher, timeout)    # refusals here, before any model work
+        if server.supervised:     # it runs in the worker that runs submitted code (loaded there again)
+            run = functools.partial(server.batcher.session, obj, timeout)
         return await server._respond(request, fields, run, lambda value: {"ok": True, "result": value})
     return await server._guarded(request, "session", work)

@@ -258,6 +258,11 @@ class Supervisor(aio.Closable):
                                                                "gen": generate_kwargs, "stream": True})
         return SupervisedStream(job)
 
+    async def session(self, body: dict, timeout: float | None = None):
+        """Run a session (:mod:`.sessions`) in the worker that runs submitted code; returns its result."""
+        job = self._submit("session", None, (), timeout, {"session": body}, submitted=True)
+        return await self._wait(job)
+
     def queue_size(self) -> int:
         return sum(p.queue_size() for p in self.pools.values())
 
@@ -274,7 +279,7 @@ class Supervisor(aio.Closable):
             p.close(timeout)
 
     # ------------------------------------------------------------------ internals
-    def _submit(self, kind, input, fns, timeout, fields) -> Ticket:
+    def _submit(self, kind, input, fns, timeout, fields, submitted=None) -> Ticket:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -284,7 +289,8 @@ class Supervisor(aio.Closable):
             raise TypeError("a supervised server runs one intervention per request, described by "
                             "Supervisor.remote(spec) (functions of this process cannot run in a worker)")
         timeout = float(self.server.timeout if timeout is None else timeout)
-        submitted = spec is not None and spec.submitted
+        if submitted is None:
+            submitted = spec is not None and spec.submitted
         budget = min(self.server.code_budget, timeout) if submitted else 0.0
         pool = self.pools["code" if submitted and "code" in self.pools else "trusted"]
         # the server waits at most this long in all (worker restarts and re-runs included); the worker's own

@@ -17,8 +17,8 @@ rlimit (``RLIMIT_DATA``: its size at start plus ``memory_limit`` bytes) and,
 if it runs submitted code, confines itself with seccomp (:mod:`.confine`).
 
 Protocol (msgpack maps, see :mod:`.channel`). Server to worker:
-``{"op": "run", "id", "kind": "trace"|"generate", "input", "spec", "timeout",
-"max_new_tokens", "stream", "gen", "alone"?}`` (``alone``: a re-run that the
+``{"op": "run", "id", "kind": "trace"|"generate"|"session", "input", "spec", "timeout",
+"max_new_tokens", "stream", "gen", "session"?, "alone"?}`` (``session``: see :mod:`.sessions`) (``alone``: a re-run that the
 server sends by itself; the batcher does not wait for company), ``{"op": "cancel", "id"}``,
 ``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid", "confined"}``;
 ``{"t": "batch", "ids"}`` from the batcher's thread just before a batch
@@ -276,6 +276,14 @@ class Worker:
 
     async def _call(self, jid, kind, msg, fns, timeout, on_cancel, meter):
         batcher = self.batcher
+        if kind == "session":     # serve/sessions.py: its traces are this worker's requests, tagged with its id
+            from .sessions import load_session
+            run = load_session(self.server, msg.get("session") or {}, batcher, timeout)
+            self.tags[run.clock] = jid
+            try:
+                return {"t": "done", "id": jid, "ok": True, "value": await run()}
+            finally:
+                self.tags.pop(run.clock, None)
         if kind == "trace":
             value = await batcher.trace(msg["input"], *fns, timeout=timeout, on_cancel=on_cancel, meter=meter)
             return {"t": "done", "id": jid, "ok": True, "value": value}
