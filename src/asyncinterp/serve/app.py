@@ -16,6 +16,8 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
 * ``POST /v1/generate`` — ``{"input", "intervention"?, "max_new_tokens", "stream"?, "timeout"?}`` →
   ``{"ok": true, "result", "tokens", "text", "emitted"}``, or with ``"stream": true`` a stream of
   msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``);
+* ``POST /v1/sessions`` — a captured ``async def session(model)`` run on the server as one job
+  (:mod:`.sessions`; only when the server allows code);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
   (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`, vLLM's sampling fields in
   :mod:`.sampling_fields`), the intervention in an ``asyncinterp`` field, with the same checks, limits,

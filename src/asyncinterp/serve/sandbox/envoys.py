@@ -37,8 +37,9 @@ class SafePoint:
         point = object.__getattribute__(self, "_point")
         raw = yield from point.__await__()
         leaves = []
-        value = sanitize(raw, leaves=leaves)
         state = current_state()
+        graph = bool(state is not None and getattr(state.clock, "grad", False) and torch.is_grad_enabled())
+        value = sanitize(raw, leaves=leaves, graph=graph)
         if state is not None and leaves:
             state.pending.append(Pending(point, raw, leaves))
         return value

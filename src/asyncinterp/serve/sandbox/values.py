@@ -28,20 +28,12 @@ class Record(dict):
             raise AttributeError(name) from None
 
 
-def _keeps_graph() -> bool:
-    """Whether the submitted task running now is a gradient request (its copies stay on the autograd graph)."""
-    from .driver import current_state
-    state = current_state()
-    return bool(state is not None and getattr(state.clock, "grad", False) and torch.is_grad_enabled())
-
-
-def sanitize(value, depth=0, leaves=None, path=(), graph=None):
+def sanitize(value, depth=0, leaves=None, path=(), graph=False):
     """What submitted code receives: private copies of tensors, numbers, strings and containers of them;
     any other object (a KV cache holding every request's keys and values, a module, a config) becomes
-    ``None``. ``leaves`` collects ``(path, raw_leaf, private_copy, version)`` for in-place write-back (a copy
-    connected to the autograd graph is always written back, see :meth:`.driver.TaskState.flush`)."""
-    if graph is None:
-        graph = _keeps_graph()
+    ``None``. ``leaves`` collects ``(path, raw_leaf, private_copy, version)`` for in-place write-back.
+    ``graph``: copies of tensors that require grad stay connected to the autograd graph (a gradient request's
+    awaited values; such a copy is always written back, see :meth:`.driver.TaskState.flush`)."""
     if isinstance(value, torch.Tensor):
         copied, private = private_copy(value, graph)
         if leaves is not None:
