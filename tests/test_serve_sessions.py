@@ -214,21 +214,42 @@ def test_session_code_is_checked_like_submitted_code(live):
     assert status == 400 and "private" in message
 
 
-def test_a_session_runs_in_the_confined_worker_with_process_isolation(model):
-    """The CLI's default with --allow-code: the session runs in the worker process of submitted code."""
+@pytest.fixture(scope="module")
+def isolated(model):
+    """The CLI's default with --allow-code: process isolation; sessions run in the worker of submitted code."""
     from asyncinterp.serve.supervisor import ProcessIsolation
     server = Server(model, api_keys=[KEY], allow_code=True, exact=True, max_wait_ms=5, timeout=20,
                     code_budget=0.5, isolation=ProcessIsolation(hang_timeout=2.0, memory_limit=512 << 20))
     server.batcher.start()
     srv = Live(server)
-    try:
-        with Client(srv.url, api_key=KEY, timeout=60) as c:
-            got = c.session(sweep)
-            with pytest.raises(RemoteError, match="compute budget"):
-                c.session(spin_between_traces)
-            health = c.health()
-        assert torch.equal(got, asyncio.run(sweep(model)))
-        assert health["workers"]["code"]["restarts"] == 0
-        assert health["workers"]["code"]["confined"] is (health["confinement"]["active"] is True)
-    finally:
-        srv.close()
+    yield srv
+    srv.close()
+
+
+def test_a_session_runs_in_the_confined_worker_with_process_isolation(model, isolated):
+    with Client(isolated.url, api_key=KEY, timeout=60) as c:
+        got = c.session(sweep)
+        with pytest.raises(RemoteError, match="compute budget"):
+            c.session(spin_between_traces)
+        health = c.health()
+    assert torch.equal(got, asyncio.run(sweep(model)))
+    assert health["workers"]["code"]["restarts"] == 0
+    assert health["workers"]["code"]["confined"] is (health["confinement"]["active"] is True)
+
+
+async def saliency_sweep(model):
+    """Gradients inside a session: the saliency of each layer's output for the top next token."""
+    import torch
+
+    async def saliency(m):
+        hs = [await m.transformer.h[i].output for i in LAYERS]
+        out = await m.lm_head.output
+        return [g.norm() for g in torch.autograd.grad(out[:, -1].max(), hs)]
+    return await model.atrace(CLEAN, saliency)
+
+
+def test_gradients_in_a_session_in_the_confined_worker(model, isolated):
+    with Client(isolated.url, api_key=KEY, timeout=60) as c:
+        got = c.session(saliency_sweep)
+    want = asyncio.run(saliency_sweep(model))
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
