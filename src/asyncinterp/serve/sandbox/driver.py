@@ -56,11 +56,13 @@ class TaskState:
             for path, raw_leaf, private, version in p.leaves:
                 # a copy connected to the autograd graph (a gradient request) is always written back: the model
                 # continues with it for this request's rows, so gradients with respect to it exist
-                if version_of(private) != version or _on_graph(private):
+                edited = version_of(private) != version
+                if edited or _on_graph(private):
                     what = f"in-place edit of {p.point.describe() if hasattr(p.point, 'describe') else 'a value'}"
                     with DisableTorchFunction():
                         copied = private.clone()
-                    changes[path] = check_replacement(copied, raw_leaf, what)
+                    # unedited (only routed through the copy): the model's own values, -inf masks included
+                    changes[path] = check_replacement(copied, raw_leaf, what) if edited else copied
             if changes:
                 p.point.replace(rebuild(p.raw, changes))
 
