@@ -14,7 +14,8 @@ run's top token. Three ways, same model, same results:
                   travel again, one layer's worth per patched request (30 requests).
 
 The server is a real uvicorn on 127.0.0.1 (``Server(model, allow_code=True)``, in-process batching, one
-BLAS thread). Medians over ``--reps`` repetitions; writes ``results/session_sweep.md``.
+BLAS thread). The three run in turn, ``--reps`` times (the machine's load drifts); medians. The local sweep
+runs under ``torch.no_grad()``, as the server runs plain traces. Writes ``results/session_sweep.md``.
 """
 
 from __future__ import annotations
@@ -78,29 +79,31 @@ def by_requests(client):
     return [client.trace(CORRUPT, PATCH, layer=i, vec=clean[i], top=int(top[0])) for i in range(N_LAYERS)]
 
 
-def timed(fn, reps):
-    times, out = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+def local_sweep(model):
+    with torch.no_grad():      # as the server runs plain traces (the same results; no autograd graph)
+        return asyncio.run(sweep(model))
 
 
 def bench(name, model, reps):
     srv = Live(Server(model, allow_code=True, max_wait_ms=2, timeout=120, code_budget=60,
                       max_body_bytes=8 << 20))
+    ways = {"local": lambda: local_sweep(model), "session": None, "requests": None}
+    times = {k: [] for k in ways}
+    out = {}
     try:
         with Client(srv.url, timeout=300) as client:
-            t_local, local = timed(lambda: asyncio.run(sweep(model)), reps)
-            t_session, remote = timed(lambda: client.session(sweep), reps)
-            t_requests, separate = timed(lambda: by_requests(client), reps)
+            ways["session"] = lambda: client.session(sweep)
+            ways["requests"] = lambda: by_requests(client)
+            for _ in range(reps):            # interleaved: the machine's load drifts
+                for k, fn in ways.items():
+                    t0 = time.perf_counter()
+                    out[k] = fn()
+                    times[k].append(time.perf_counter() - t0)
     finally:
         srv.close()
     same = all(torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5)
-               for a, b in zip(local, remote)) and all(
-        torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5) for a, b in zip(local, separate))
-    return {"model": name, "local": t_local, "session": t_session, "requests": t_requests, "same": same}
+               for k in ("session", "requests") for a, b in zip(out["local"], out[k]))
+    return {"model": name, **{k: statistics.median(v) for k, v in times.items()}, "same": same}
 
 
 def main():
