@@ -54,6 +54,16 @@ async def halve_grad(m):
     return await low
 
 
+async def two_losses(m):
+    from asyncinterp import spawn
+    first = await spawn(m.transformer.h[1].output.grad)     # binds to this request's 1st backward pass
+    second = await spawn(m.transformer.h[1].output.grad)    # and to its 2nd
+    out = await m.lm_head.output
+    await m.backward(out[:, -1].sum(), retain_graph=True)
+    await m.backward(out[:, -1].pow(2).sum())
+    return await first, await second
+
+
 async def waits_only(m):
     from asyncinterp import spawn
     g = await spawn(m.transformer.h[1].output.grad)      # never starts a backward of its own
@@ -116,6 +126,19 @@ def test_an_edited_gradient_flows_on_in_its_own_backward_only(model, live):
     assert batches == 1
     for (prompt, fn, params), got in zip(calls, out):
         assert torch.equal(got, local(model, prompt, fn, **params)), (prompt, fn.__name__)
+
+
+def test_several_backward_passes_bind_in_order_among_batch_mates(model, live):
+    calls = [(SAME_LEN[0], two_losses, {}), (SAME_LEN[1], two_losses, {}), (SAME_LEN[2], grad_point, {})]
+    out, batches = together(live, calls)
+    assert batches == 1
+    for (prompt, fn, params), got in zip(calls, out):
+        want = local(model, prompt, fn, **params)
+        if fn is two_losses:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), prompt
+            assert not torch.equal(got[0], got[1])
+        else:
+            assert torch.equal(got, want)
 
 
 def test_a_gradient_cannot_read_a_batch_mates_backward(model, live):

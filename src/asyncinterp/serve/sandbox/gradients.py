@@ -43,13 +43,14 @@ import threading
 import torch
 
 from ...hooks.grad import _first_grad_tensor
-from ...kernel.errors import NotInRunError
-from ...kernel.scheduler import current_kernel
+from ...kernel.errors import NotInRunError, OutOfOrderError
+from ...kernel.scheduler import current_kernel, current_task
 from ...kernel.traps import CallTrap, trap
 from . import policy
-from .driver import current_state
+from .driver import Pending, current_state
 from .errors import SandboxRefused, SandboxTimeout, refuse, user_line
 from .tensors import DisableTorchFunction, PrivateTensor, adopt
+from .values import sanitize
 
 _LOCAL = threading.local()
 
@@ -146,7 +147,11 @@ def _record_target(run, clock, base):
 def backward_of(envoy):
     """``m.backward`` for submitted code: ``await m.backward(loss)`` resumes this request's ``.grad`` points."""
 
-    def backward(loss, gradient=None):
+    def backward(loss, gradient=None, retain_graph=None, create_graph=False, grad_tensors=None):
+        """As ``await m.backward(loss)`` locally; the graph is always retained (``retain_graph`` changes nothing)."""
+        if create_graph:
+            raise refuse("m.backward(..., create_graph=True)", "higher-order gradients are not offered")
+        gradient = gradient if gradient is not None else grad_tensors
         kernel = current_kernel()
         if kernel is None:
             raise NotInRunError(f"`await m.backward(loss)` can only be used inside an intervention ({user_line()})")
@@ -170,12 +175,28 @@ def backward_of(envoy):
     return backward
 
 
+class _Book:
+    """Per run: for each request (its clock) and gradient point, how many awaits it made and which
+    computations of that gradient (global numbers) were its own backward's."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self):
+        self.entries = {}
+
+    def of(self, clock, key) -> dict:
+        return self.entries.setdefault((clock, key), {"awaits": 0, "own": []})
+
+
 class SafeGradPoint:
     """A gradient point for submitted code: fires only in the request's own backward passes.
 
     Awaiting it gives a private copy of this request's rows of the gradient;
     editing that copy in place, or ``.replace(g)``, changes the gradient that
-    flows on in this request's backward only.
+    flows on in this request's backward only. Binding is per request: its
+    n-th await of a gradient point binds to the n-th time *its own* backward
+    passes compute that gradient, whatever its batch-mates' backward passes
+    do in between (each await watches every computation and takes its own).
     """
 
     __slots__ = ("_safe",)
@@ -188,17 +209,29 @@ class SafeGradPoint:
         gp = object.__getattribute__(safe, "_point")
         state = current_state()
         clock = state.clock if state is not None else None
-        kernel = current_kernel()
-        if kernel is not None and getattr(gp, "point", None) is not None:
-            _record_target(kernel.host, clock, gp.point.key)
+        kernel, task = current_kernel(), current_task()
+        if kernel is None or task is None or clock is None or getattr(gp, "point", None) is None:
+            return (yield from safe.__await__())     # outside a run: the local point's own error
+        run = kernel.host
+        _record_target(run, clock, gp.point.key)
+        key = gp.key
+        book = run.state(_Book, _Book).of(clock, key)
+        ordinal = book["awaits"]
+        book["awaits"] += 1
+        if len(book["own"]) > ordinal:
+            raise OutOfOrderError(f"`await {gp.describe()}` is this request's await #{ordinal + 1} of that gradient, "
+                                  f"but its backward passes have computed it {len(book['own'])} time(s) already "
+                                  f"({user_line()}); await gradient points (or `ai.spawn` them) before the backward")
         while True:
-            value = yield from safe.__await__()
-            if backward_owner() is clock and clock is not None:
-                return value
-            # another request's backward (or trusted code's) computed it: not ours; drop the copy's
-            # write-back and wait for the next computation of this gradient
-            if state is not None:
-                state.forget(gp)
+            task.bind_next(key, kernel.fired.get(key, 0))    # the very next computation, whoever starts it
+            raw = yield gp
+            if backward_owner() is not clock:
+                continue       # a batch-mate's backward (or trusted code's): not ours, no line of ours runs
+            number = kernel.fired.get(key, 0)
+            if number not in book["own"]:
+                book["own"].append(number)
+            if book["own"].index(number) == ordinal:
+                return _delivered(gp, raw, state)
 
     def replace(self, value):
         return object.__getattribute__(self, "_safe").replace(value)
@@ -213,6 +246,15 @@ class SafeGradPoint:
 
     def __repr__(self):
         return repr(object.__getattribute__(self, "_safe"))
+
+
+def _delivered(gp, raw, state):
+    """What the awaiting code gets: a private copy, its in-place edits written back while the gradient flows."""
+    leaves = []
+    value = sanitize(raw, leaves=leaves)
+    if leaves:
+        state.pending.append(Pending(gp, raw, leaves))
+    return value
 
 
 def check_no_grad_refusal(program, engine_kind: str) -> None:
