@@ -575,6 +575,17 @@ async def vllm_steer(m, factor: float = 1.0):
     return tops
 
 
+@pytest.mark.vllm
+def test_gradient_code_on_vllm_is_refused_clearly(vllm_live):
+    vm, srv = vllm_live
+    source = ("import torch\nasync def sal(m):\n    h = await m.model.layers[0].hidden\n"
+              "    return torch.autograd.grad(h.sum(), h)\n")
+    with ai.serve.Client(srv.url, api_key=KEY, timeout=60) as c, \
+            pytest.raises(ai.serve.RemoteError, match="gradients are not available on this server") as info:
+        c.trace("The quick brown fox", source)
+    assert info.value.status == 400 and "inference_mode" in str(info.value)
+
+
 VLLM_CODE = """
 async def flip(m, factor):
     async for step in m.steps():

@@ -143,7 +143,8 @@ async def f(m):
 
 @pytest.mark.parametrize("expr, match", [
     ("m.lm_head.weight", "no submodule or hook point 'weight'"),
-    ("m.transformer.h[0].output.grad", "not available to submitted code"),
+    ("(await m.transformer.h[0].output).grad", "tensor operation 'grad' is not available"),
+    ("(await m.transformer.h[0].output).sum().backward()", "tensor operation 'backward' is not available"),
     ("m.transformer.h[0].forward", "no submodule or hook point"),
     ("torch.set_num_threads(1)", "not available to submitted code"),
     ("torch.manual_seed(0)", "not available to submitted code"),

@@ -503,3 +503,15 @@ def test_hostile_load_loses_no_innocent_request(model):
         assert httpx.get(f"{srv.url}/v1/health", timeout=10).json()["status"] == "ok"
     finally:
         srv.close()
+
+
+def test_only_the_worker_that_runs_submitted_code_is_confined(live):
+    from asyncinterp.serve import confine
+    if confine.probe() is not None:
+        pytest.skip(f"no seccomp here: {confine.probe()}")
+    h = httpx.get(f"{live.url}/v1/health", timeout=10).json()
+    assert h["confinement"]["active"] is True
+    code, trusted = h["workers"]["code"], h["workers"]["trusted"]
+    assert code["confined"] is True and confine.status_of(code["pid"]) == {"seccomp": 2, "no_new_privs": 1}
+    # the server owner's registered code may write files (its logs, its caches): its worker is not confined
+    assert trusted["confined"] is False and confine.status_of(trusted["pid"])["seccomp"] == 0

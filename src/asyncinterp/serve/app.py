@@ -16,6 +16,8 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
 * ``POST /v1/generate`` — ``{"input", "intervention"?, "max_new_tokens", "stream"?, "timeout"?}`` →
   ``{"ok": true, "result", "tokens", "text", "emitted"}``, or with ``"stream": true`` a stream of
   msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``);
+* ``POST /v1/sessions`` — a captured ``async def session(model)`` run on the server as one job
+  (:mod:`.sessions`; only when the server allows code);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
   (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`, vLLM's sampling fields in
   :mod:`.sampling_fields`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
@@ -57,13 +59,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import errors, jobs_api, openai_compat, tokenize_api, wire
+from . import confine, errors, jobs_api, openai_compat, sessions, tokenize_api, wire
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
 from .metrics import ServerMetrics
 from .errors import RequestFailed
 from .params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401 (re-exported)
 from .sandbox import ProgramCache, SandboxRefused, SandboxTimeout
+from .sandbox.gradients import check_no_grad_refusal
 
 log = logging.getLogger("asyncinterp.serve")
 
@@ -174,6 +177,7 @@ class Server:
         self.metrics = ServerMetrics(self.batcher, vllm=self.front.kind == "vllm")   # this server's own registry
         self.interventions: dict[str, Registered] = {}
         self.programs = ProgramCache()
+        self.confinement = confine.at_start(self)     # whether submitted code runs confined (said at start)
         self._app = None
         self.started = int(time.time())
         if builtin_interventions and self.is_lm:
@@ -216,6 +220,7 @@ class Server:
             Route("/version", self._version, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
+            Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
         ]
 
         async def http_error(request, exc):
@@ -361,6 +366,7 @@ class Server:
                 raise RequestFailed("request", "source and entry must be strings")
             try:
                 program = self.programs.get(source, entry)
+                check_no_grad_refusal(program, self.front.kind)     # gradients need autograd (not vLLM)
                 fn, clock = program.bind(params, time.monotonic() + timeout, min(self.code_budget, timeout))
             except SandboxRefused as exc:
                 raise RequestFailed("refused", str(exc)) from None
@@ -471,7 +477,7 @@ class Server:
     async def _health(self, request):
         extra = self.batcher.health() if self.supervised else {}
         return JSONResponse({"status": "ok", "model": self.name, "queue": self.batcher.queue_size(),
-                             "batches": self.batcher.stats["batches"], **extra})
+                             "batches": self.batcher.stats["batches"], "confinement": self.confinement, **extra})
 
     async def _model_info(self, request):
         async def work(fields):

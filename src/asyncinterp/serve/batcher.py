@@ -205,8 +205,9 @@ class Batcher(aio.Closable):
         for fn in fns:
             if not callable(fn):
                 raise TypeError(f"an intervention must be an async function taking the model envoy, got {fn!r}")
+        grad = any(getattr(fn, "needs_grad", False) for fn in fns)   # gradient requests share runs only together
         if kind == "trace":
-            key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
+            key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())), grad)
         else:
             key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
         req = Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream, meter)
@@ -459,8 +460,12 @@ class Batcher(aio.Closable):
         if generating:
             run.invoke(None, _GenerationWatch(self, requests))
         self._current = run
+        grad = any(getattr(fn, "needs_grad", False) for r in live for fn in r.fns)
         try:
-            if self.no_grad:
+            if grad:
+                with torch.enable_grad():   # gradient requests (their key keeps them among themselves)
+                    run.run()
+            elif self.no_grad:
                 with torch.no_grad():
                     run.run()
             else:

@@ -163,6 +163,14 @@ class Client(_Base):
                 for obj in unpacker:
                     yield _event(obj)
 
+    def session(self, fn, *, timeout: float | None = None):
+        """Run ``fn`` (``async def fn(model)`` calling ``await model.atrace(...)``) on the server as one job;
+        returns its result (see :mod:`.sessions`). The same function runs locally: ``await fn(lm)``."""
+        from .sessions import session_body
+        r = self._http.post(f"{self.url}/v1/sessions", content=session_body(fn, timeout), headers=self.headers,
+                            timeout=self._http_timeout(timeout))
+        return _decode_response(r.status_code, r.content)["result"]
+
     def model_info(self) -> dict:
         r = self._http.get(f"{self.url}/v1/model", headers=self.headers)
         if r.status_code != 200:
@@ -215,6 +223,13 @@ class AsyncClient(_Base):
                 unpacker.feed(chunk)
                 for obj in unpacker:
                     yield _event(obj)
+
+    async def session(self, fn, *, timeout: float | None = None):
+        """:meth:`Client.session` as a coroutine (cancelling it stops the session on the server)."""
+        from .sessions import session_body
+        r = await self._http.post(f"{self.url}/v1/sessions", content=session_body(fn, timeout),
+                                  headers=self.headers, timeout=self._http_timeout(timeout))
+        return _decode_response(r.status_code, r.content)["result"]
 
     async def model_info(self) -> dict:
         r = await self._http.get(f"{self.url}/v1/model", headers=self.headers)

@@ -22,7 +22,7 @@ import threading
 import time
 
 from .. import aio
-from . import errors, wire, worker_proc
+from . import confine, errors, wire, worker_proc
 from .batcher import BatcherClosed, BatcherFull, GenerateResult
 from .channel import Channel, Heartbeat
 from .worker_failures import Cause, RemoteFailure, WorkerUnavailable, cause_of_exit, failure_for
@@ -238,6 +238,7 @@ class Pool:
         jid = msg.get("id")
         if t == "ready":
             w.ready = True
+            w.confined = bool(msg.get("confined"))
             self.failed_starts = 0
             if self.restart_began is not None:
                 self.restart_times.append(time.monotonic() - self.restart_began)
@@ -404,7 +405,7 @@ class Pool:
             heartbeat = Heartbeat()
             settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
                         "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
-                        "release_run_lock": lock is not None}
+                        "release_run_lock": lock is not None, "confine": confine.wanted_for(self)}
             proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, sup.server, settings, foreign),
                                name=f"asyncinterp-worker-{self.name}", daemon=True)
             born = time.monotonic()
@@ -539,4 +540,5 @@ class Pool:
         times = list(self.restart_times)
         return {"pid": w.proc.pid if w is not None else None, "ready": bool(w is not None and w.ready),
                 "restarts": self.restarts, "waiting": len(self.waiting), "rerunning": len(self.suspects),
-                "last_restart_ms": round(1000 * times[-1], 1) if times else None}
+                "last_restart_ms": round(1000 * times[-1], 1) if times else None,
+                "confined": bool(w is not None and getattr(w, "confined", False))}

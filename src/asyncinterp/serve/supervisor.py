@@ -80,7 +80,11 @@ class ProcessIsolation:
     runs in a worker of its own (else in the one worker). ``code_nice``: the
     CPU niceness added to that worker, so that the server and registered
     requests come first. ``max_failed_starts``: workers that fail to start
-    in a row before the pool fails its waiting requests (503).
+    in a row before the pool fails its waiting requests (503). ``confine``:
+    the worker that runs submitted code is confined by seccomp
+    (:mod:`.confine`: no exec, no new process, no new socket, no file writes);
+    ``"auto"``: where the platform can (the server says at start whether it
+    does), ``True``: the server refuses to start where it cannot, ``False``: off.
     """
 
     hang_timeout: float = 5.0
@@ -89,6 +93,7 @@ class ProcessIsolation:
     code_worker: bool = True
     code_nice: int = 10
     max_failed_starts: int = 3
+    confine: bool | str = "auto"
 
     def __post_init__(self):
         if not self.hang_timeout > 0 or not self.start_timeout > 0:
@@ -276,6 +281,11 @@ class Supervisor(aio.Closable):
         pool.submit(ticket)
         return ticket
 
+    async def session(self, body: dict, timeout: float | None = None):
+        """Run a session (:mod:`.sessions`) in the worker that runs submitted code; returns its result."""
+        job = self._submit("session", None, (), timeout, {"session": body}, submitted=True)
+        return await self._wait(job)
+
     def queue_size(self) -> int:
         return sum(p.queue_size() for p in self.pools.values())
 
@@ -292,7 +302,7 @@ class Supervisor(aio.Closable):
             p.close(timeout)
 
     # ------------------------------------------------------------------ internals
-    def _submit(self, kind, input, fns, timeout, fields) -> Ticket:
+    def _submit(self, kind, input, fns, timeout, fields, submitted=None) -> Ticket:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -302,7 +312,8 @@ class Supervisor(aio.Closable):
             raise TypeError("a supervised server runs one intervention per request, described by "
                             "Supervisor.remote(spec) (functions of this process cannot run in a worker)")
         timeout = float(self.server.timeout if timeout is None else timeout)
-        submitted = spec is not None and spec.submitted
+        if submitted is None:
+            submitted = spec is not None and spec.submitted
         budget = min(self.server.code_budget, timeout) if submitted else 0.0
         pool = self.pools["code" if submitted and "code" in self.pools else "trusted"]
         # the server waits at most this long in all (worker restarts and re-runs included); the worker's own

@@ -12,14 +12,15 @@ are shared copy-on-write), so it starts in a fraction of a second. Before it
 serves, it: dies with the server (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the
 server shuts it down), replaces the sockets it inherited (the server's
 listening socket, other workers' pipes) with ``/dev/null``, lowers its CPU
-priority if asked (the submitted-code worker) and caps its memory with an
-rlimit (``RLIMIT_DATA``: its size at start plus ``memory_limit`` bytes).
+priority if asked (the submitted-code worker), caps its memory with an
+rlimit (``RLIMIT_DATA``: its size at start plus ``memory_limit`` bytes) and,
+if it runs submitted code, confines itself with seccomp (:mod:`.confine`).
 
 Protocol (msgpack maps, see :mod:`.channel`). Server to worker:
-``{"op": "run", "id", "kind": "trace"|"generate", "input", "spec", "timeout",
-"max_new_tokens", "stream", "gen", "alone"?}`` (``alone``: a re-run that the
+``{"op": "run", "id", "kind": "trace"|"generate"|"session", "input", "spec", "timeout",
+"max_new_tokens", "stream", "gen", "session"?, "alone"?}`` (``session``: see :mod:`.sessions`) (``alone``: a re-run that the
 server sends by itself; the batcher does not wait for company), ``{"op": "cancel", "id"}``,
-``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid"}``;
+``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid", "confined"}``;
 ``{"t": "batch", "ids"}`` from the batcher's thread just before a batch
 starts (before any of its code runs) and ``{"t": "batch_end"}`` when it has
 ended; ``{"t": "event", "id", "event"}``
@@ -40,7 +41,7 @@ import sys
 import threading
 
 from .. import aio
-from . import errors, wire
+from . import confine, errors, wire
 from .batcher import Batcher, Meter
 from .channel import Channel
 from .sandbox import SandboxTimeout
@@ -71,6 +72,8 @@ def run(conn, heartbeat, server, settings: dict, foreign_maps=()) -> None:
 
     try:
         prepare(settings, conn.fileno(), foreign_maps)
+        if settings.get("confine"):   # last: after the seals and limits, with torch loaded and the pipe open
+            confine.install()         # fails closed: a worker that should be confined and is not never serves
         threading.Thread(target=heartbeat.beat_forever, args=(BEAT_INTERVAL,), daemon=True,
                          name="asyncinterp-heartbeat").start()
         # a fresh thread for the event loop: this one is a copy of the server's thread that forked us (maybe
@@ -211,7 +214,7 @@ class Worker:
         aio.run_with_tasks(self._main)
 
     async def _main(self, start):
-        self.channel.send({"t": "ready", "pid": os.getpid()})
+        self.channel.send({"t": "ready", "pid": os.getpid(), "confined": confine.status_of().get("seccomp") == 2})
         while True:
             try:
                 msg = await aio.to_thread(self.channel.recv, True)
@@ -276,6 +279,14 @@ class Worker:
         if kind == "job":   # a remote job: rebuilt here (sandboxed) and run whole (see jobs_api)
             from . import jobs_api
             return await jobs_api.run_in_worker(self, jid, msg, timeout)
+        if kind == "session":     # serve/sessions.py: its traces are this worker's requests, tagged with its id
+            from .sessions import load_session
+            run = load_session(self.server, msg.get("session") or {}, batcher, timeout)
+            self.tags[run.clock] = jid
+            try:
+                return {"t": "done", "id": jid, "ok": True, "value": await run()}
+            finally:
+                self.tags.pop(run.clock, None)
         if kind == "trace":
             value = await batcher.trace(msg["input"], *fns, timeout=timeout, on_cancel=on_cancel, meter=meter)
             return {"t": "done", "id": jid, "ok": True, "value": value}

@@ -28,7 +28,7 @@ class Clock(Meter):
     there, and every tick after it.
     """
 
-    __slots__ = ("deadline", "budget", "cancelled", "reason", "count")
+    __slots__ = ("deadline", "budget", "cancelled", "reason", "count", "grad")
 
     def __init__(self, deadline=None, budget=None):
         super().__init__()
@@ -37,6 +37,7 @@ class Clock(Meter):
         self.cancelled = False
         self.reason = "the request was cancelled"
         self.count = 0
+        self.grad = False       # a gradient request: its private copies stay on the autograd graph
 
     def tick(self):
         self.count += 1

@@ -15,7 +15,7 @@ import threading
 from ...kernel.scheduler import current_run
 from ...kernel.traps import PointTrap
 from .values import check_replacement, rebuild
-from .tensors import version_of
+from .tensors import DisableTorchFunction, version_of
 
 
 class Pending:
@@ -61,10 +61,16 @@ class TaskState:
             if p.done:
                 continue
             changes = {}
-            for path, raw_leaf, copied, version in p.leaves:
-                if version_of(copied) != version:
+            for path, raw_leaf, private, version in p.leaves:
+                # a copy connected to the autograd graph (a gradient request) is always written back: the model
+                # continues with it for this request's rows, so gradients with respect to it exist
+                edited = version_of(private) != version
+                if edited or _on_graph(private):
                     what = f"in-place edit of {p.point.describe() if hasattr(p.point, 'describe') else 'a value'}"
-                    changes[path] = check_replacement(copied.clone(), raw_leaf, what)
+                    with DisableTorchFunction():
+                        copied = private.clone()
+                    # unedited (only routed through the copy): the model's own values, -inf masks included
+                    changes[path] = check_replacement(copied, raw_leaf, what) if edited else copied
             if changes and _firing(p.point):
                 p.point.replace(rebuild(p.raw, changes))
             if keep:
@@ -81,6 +87,11 @@ def _firing(point) -> bool:
     if key is None or firing is None:
         return True
     return firing(key) is not None
+
+
+def _on_graph(t) -> bool:
+    with DisableTorchFunction():
+        return t.requires_grad
 
 
 _LOCAL = threading.local()

@@ -20,6 +20,7 @@ from ...hooks.modules import submodules
 from ...hooks.points import Point
 from . import policy
 from .driver import Driven, Pending, current_state
+from .gradients import SafeGradPoint, backward_of
 from .tensors import plain
 from .values import Record, check_replacement, sanitize, to_model
 
@@ -36,8 +37,9 @@ class SafePoint:
         point = object.__getattribute__(self, "_point")
         raw = yield from point.__await__()
         leaves = []
-        value = sanitize(raw, leaves=leaves)
         state = current_state()
+        graph = bool(state is not None and getattr(state.clock, "grad", False) and torch.is_grad_enabled())
+        value = sanitize(raw, leaves=leaves, graph=graph)
         if state is not None and leaves:
             state.pending.append(Pending(point, raw, leaves))
         return value
@@ -55,8 +57,14 @@ class SafePoint:
 
     set = replace
 
+    @property
+    def grad(self):
+        """The gradient at this point, in this request's own backward passes (see :mod:`.gradients`)."""
+        return SafeGradPoint(SafePoint(object.__getattribute__(self, "_point").grad))
+
     def __getattr__(self, item):
-        raise AttributeError("hook points offer only await, .replace(value) and .set(value) to submitted code")
+        raise AttributeError("hook points offer only await, .replace(value), .set(value) and .grad to submitted "
+                             "code")
 
     def __setattr__(self, key, value):
         raise AttributeError("hook points are read-only")
@@ -170,11 +178,16 @@ def _envoy_attribute(envoy, name):
     if name == "generated":
         g = envoy.generated
         return Record(tokens=sanitize(g.tokens), text=g.text)
+    if name == "backward":
+        return backward_of(envoy)
     return getattr(envoy, name)     # steps, stop; a language model's decode, to_tokens, token_id
 
 
 def setpoint(obj, name, value):
     """``obj.name = value`` in submitted code: only hook points of the model envoy may be assigned."""
+    if isinstance(obj, SafePoint) and name == "grad":     # m.x.output.grad = g
+        obj.grad.replace(value)
+        return
     if not isinstance(obj, SafeEnvoy):
         raise AttributeError(f"cannot assign {name!r} here: submitted code may only assign hook points of the "
                              f"model (`m.layer.{name} = value`)")
@@ -186,12 +199,12 @@ async def _await_point(point):
 
 
 def _as_coro(aw):
-    if isinstance(aw, SafePoint) or inspect.iscoroutine(aw):
+    if isinstance(aw, (SafePoint, SafeGradPoint)) or inspect.iscoroutine(aw):
         state = current_state()   # the submitted task calling spawn/gather: its request's clock
         clock = state.clock if state is not None else None
 
         async def run():
-            return await Driven(_await_point(aw) if isinstance(aw, SafePoint) else aw, clock)
+            return await Driven(aw if inspect.iscoroutine(aw) else _await_point(aw), clock)
         return run()
     return aw
 

@@ -151,7 +151,9 @@ def _build_modules():
     linalg = ModuleProxy("torch.linalg", _functions(torch.linalg, policy.LINALG_FUNCTIONS))
     fft = ModuleProxy("torch.fft", _functions(torch.fft, policy.FFT_FUNCTIONS))
     special = ModuleProxy("torch.special", _functions(torch.special, policy.SPECIAL_FUNCTIONS))
-    t.update(nn=nn, linalg=linalg, fft=fft, special=special)
+    from .gradients import autograd_grad
+    autograd = ModuleProxy("torch.autograd", {"grad": autograd_grad})
+    t.update(nn=nn, linalg=linalg, fft=fft, special=special, autograd=autograd)
     torch_proxy = ModuleProxy("torch", t)
     math_proxy = ModuleProxy("math", {n: getattr(math, n) for n in sorted(policy.MATH_NAMES) if hasattr(math, n)})
 
@@ -165,7 +167,7 @@ def _build_modules():
     ai_attrs["serve"] = serve_proxy
     return {
         "torch": torch_proxy, "torch.nn": nn, "torch.nn.functional": functional, "torch.linalg": linalg,
-        "torch.fft": fft, "torch.special": special, "math": math_proxy,
+        "torch.fft": fft, "torch.special": special, "torch.autograd": autograd, "math": math_proxy,
         "asyncinterp": ModuleProxy("asyncinterp", ai_attrs), "asyncinterp.serve": serve_proxy,
     }
 

@@ -45,12 +45,12 @@ PRIVATE_NAME = "__"
 # the only attribute assignments allowed (`m.layer.output = value`, a single target): hook points of the model
 ASSIGNABLE_POINTS = frozenset({"output", "input", "inputs", "logits", "tokens",
                                "resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
-                               "router", "per_expert", "routed"})
+                               "router", "per_expert", "routed", "grad"})
 
 # --------------------------------------------------------------------------- modules
 # `import m`, `import m as x`, `from m import name` of these only (no relative imports, no `import *`)
 ALLOWED_MODULES = ("torch", "torch.nn", "torch.nn.functional", "torch.linalg", "torch.fft", "torch.special",
-                   "math", "asyncinterp", "asyncinterp.serve")
+                   "torch.autograd", "math", "asyncinterp", "asyncinterp.serve")
 
 
 def _words(*texts) -> frozenset:
@@ -166,13 +166,26 @@ TORCH_DTYPES = _words("""
 float32 float64 float16 bfloat16 int64 int32 int16 int8 uint8 bool complex64 complex128 float double half int long
 short cfloat cdouble
 """)
-TORCH_SUBMODULES = _words("nn functional linalg fft special")   # torch.nn holds only functional
+TORCH_SUBMODULES = _words("nn functional linalg fft special autograd")   # torch.nn holds only functional
 # every public name of math (pure functions on numbers, and constants)
 MATH_NAMES = _words("""
 acos acosh asin asinh atan atan2 atanh cbrt ceil comb copysign cos cosh degrees dist e erf erfc exp exp2 expm1 fabs
 factorial floor fmod frexp fsum gamma gcd hypot inf isclose isfinite isinf isnan isqrt lcm ldexp lgamma log log10
 log1p log2 modf nan nextafter perm pi pow prod radians remainder sin sinh sqrt tan tanh tau trunc ulp
 """)
+# --------------------------------------------------------------------------- gradients
+# Submitted code may take gradients (see sandbox/gradients.py): `torch.autograd.grad(outputs, inputs)` on the
+# tensors it holds, `await m.backward(loss)` and the `.grad` points of the model (`await m.x.output.grad`,
+# `m.x.output.grad = g`). Every backward runs with the graph retained (it is shared with the batch-mates),
+# accumulates into no parameter, counts on the request's compute budget, and resumes only the gradient points
+# of the request that started it. `x.grad` of a tensor and `x.backward()` stay refused (PrivateTensor refuses
+# both operations); higher-order gradients (create_graph=True) are refused. Requests whose source names one
+# of GRADIENT_NAMES run in forward passes with autograd on, batched only with each other.
+AUTOGRAD_FUNCTIONS = _words("grad")
+# what a session (serve/sessions.py: an `async def sweep(model)` run on the server) calls on its model
+SESSION_NAMES = _words("atrace agenerate token_id to_tokens")
+GRADIENT_NAMES = _words("grad backward autograd")
+
 ASYNCINTERP_ERRORS = _words("MissedHookPoint OutOfOrderError ReplacementError UnsetFutureError AsyncInterpError "
                             "RunStopped")
 ASYNCINTERP_NAMES = _words("gather spawn Future emit serve") | ASYNCINTERP_ERRORS   # `serve` holds only emit
@@ -238,9 +251,9 @@ TEXT_SAFE_TYPES = (str, bytes, int, float, complex, bool, type(None), torch.dtyp
 # the shape, dtype and device of the value it replaces, and finite. What leaves (the result, emit) may only be
 # tensors, numbers, strings, bytes and containers of them.
 ENVOY_ATTRIBUTES = _words("path skip")
-ROOT_ATTRIBUTES = _words("steps stop generated",     # the model itself only
+ROOT_ATTRIBUTES = _words("steps stop generated backward",     # the model itself only
                          "decode to_tokens token_id")  # a language model's tokenizer, text <-> ids only
-POINT_ATTRIBUTES = _words("replace set")             # a hook point: await it, or replace / set it
+POINT_ATTRIBUTES = _words("replace set grad")        # a hook point: await it, or replace / set it; its gradient
 
 # --------------------------------------------------------------------------- attribute names
 # names that are refused anywhere, even where a list would allow them (as every PRIVATE_ATTRIBUTE name is)
@@ -251,7 +264,7 @@ REFUSED_ATTRIBUTES = frozenset({
     "numpy", "tofile", "dump", "dumps", "save", "load", "from_file", "to_dlpack", "share_memory_",
     "storage", "untyped_storage", "storage_offset", "data_ptr", "as_strided", "as_strided_", "set_",
     "resize_", "resize_as_", "pin_memory", "mro", "register_hook", "register_post_accumulate_grad_hook",
-    "backward", "grad_fn", "requires_grad_", "module", "envoy",
+    "grad_fn", "requires_grad_", "module", "envoy",
     # introspection of frames, code, generators, functions
     "gi_frame", "gi_code", "gi_yieldfrom", "cr_frame", "cr_code", "cr_await", "ag_frame", "ag_code", "ag_await",
     "f_globals", "f_locals", "f_builtins", "f_back", "f_code", "tb_frame", "tb_next", "co_code", "func_globals",
@@ -295,5 +308,6 @@ TASK_METHODS = _words("done cancel result exception set_result set_exception nam
 ALLOWED_ATTRIBUTES = frozenset(name for name in (
     TENSOR_METHODS | TENSOR_PROPERTIES | TORCH_FUNCTIONS | FUNCTIONAL | LINALG_FUNCTIONS | FFT_FUNCTIONS
     | SPECIAL_FUNCTIONS | TORCH_VALUES | TORCH_DTYPES | TORCH_SUBMODULES | MATH_NAMES | ASYNCINTERP_NAMES
-    | PYTHON_VALUE_ATTRIBUTES | RESULT_FIELDS | FINFO_FIELDS | OUTPUT_FIELDS | TASK_METHODS
+    | PYTHON_VALUE_ATTRIBUTES | RESULT_FIELDS | FINFO_FIELDS | OUTPUT_FIELDS | TASK_METHODS | GRADIENT_NAMES
+    | SESSION_NAMES
 ) if not name.startswith(PRIVATE_ATTRIBUTE)) - REFUSED_ATTRIBUTES     # operators (__add__) are private in source

@@ -23,6 +23,7 @@ from .clock import Clock
 from .driver import Driven
 from .envoys import SafeEnvoy, setpoint
 from .errors import SUBMITTED_PREFIX, SandboxRefused
+from .gradients import needs_grad
 from .instrumentation import MEMBER, PLAIN, SETPOINT, TICK, instrument
 from .namespace import read_unlisted, safe_builtins, text_safe
 from .values import release, sanitize
@@ -58,6 +59,7 @@ class Program:
         digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         self.filename = f"{SUBMITTED_PREFIX}{entry}:{digest}>"
         self.source = source
+        self.needs_grad = needs_grad(tree)    # it names a gradient: it runs in forward passes with autograd on
         self.code = compile(instrument(tree), self.filename, "exec")
         linecache.cache[self.filename] = (len(source), None, source.splitlines(True), self.filename)
 
@@ -84,6 +86,7 @@ class Program:
         """
         self.check_params(params)
         clock = Clock(deadline, budget)
+        clock.grad = self.needs_grad
         g = {"__builtins__": safe_builtins(), "__name__": "submitted", TICK: clock.tick, SETPOINT: setpoint,
              PLAIN: text_safe, MEMBER: read_unlisted}
         exec(self.code, g)  # noqa: S102 - checked and restricted above; top level holds only defs/imports/literals
@@ -96,6 +99,7 @@ class Program:
             return release(await Driven(entry(SafeEnvoy(m), **params), clock))
 
         submitted.__qualname__ = submitted.__name__ = self.entry
+        submitted.needs_grad = self.needs_grad      # the batcher runs it with autograd on, with its kind only
         return submitted, clock
 
 

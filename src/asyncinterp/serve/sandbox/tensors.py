@@ -167,14 +167,18 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
-def private_copy(t: torch.Tensor):
+def private_copy(t: torch.Tensor, graph: bool = False):
     """``(plain, private)``: a fresh copy of ``t`` and its :class:`PrivateTensor` face (same memory).
 
     The copy is an ordinary tensor even when the model runs under ``torch.inference_mode`` (vLLM):
     inference tensors have no version counter, which is how in-place edits of the copy are detected.
+    With ``graph`` (a gradient request in a forward pass with autograd on, see :mod:`.gradients`) the copy
+    of a tensor that requires grad stays connected to the graph (the model then continues with it, see
+    :meth:`.driver.TaskState.flush`); otherwise it is detached.
     """
     with DisableTorchFunction(), torch.inference_mode(False):
-        copy = t.detach().clone() if type(t) is torch.Tensor else plain(t).detach().clone()
+        src = t if type(t) is torch.Tensor else plain(t)
+        copy = src.clone() if graph and src.requires_grad and torch.is_grad_enabled() else src.detach().clone()
         return copy, copy.as_subclass(PrivateTensor)
 
 

@@ -30,14 +30,16 @@ class Record(dict):
             raise AttributeError(name) from None
 
 
-def sanitize(value, depth=0, leaves=None, path=()):
+def sanitize(value, depth=0, leaves=None, path=(), graph=False):
     """What submitted code receives: private copies of tensors, numbers, strings and containers of them;
     any other object (a KV cache holding every request's keys and values, a module, a config) becomes
-    ``None``. ``leaves`` collects ``(path, raw_leaf, plain_copy, version)`` for in-place write-back."""
+    ``None``. ``leaves`` collects ``(path, raw_leaf, private_copy, version)`` for in-place write-back.
+    ``graph``: copies of tensors that require grad stay connected to the autograd graph (a gradient request's
+    awaited values; such a copy is always written back, see :meth:`.driver.TaskState.flush`)."""
     if isinstance(value, torch.Tensor):
-        copied, private = private_copy(value)
+        copied, private = private_copy(value, graph)
         if leaves is not None:
-            leaves.append((path, value, copied, version_of(copied)))
+            leaves.append((path, value, private, version_of(copied)))
         return private
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return value
@@ -46,11 +48,11 @@ def sanitize(value, depth=0, leaves=None, path=()):
     if isinstance(value, torch.Size):
         return value
     if isinstance(value, tuple):
-        return tuple(sanitize(v, depth + 1, leaves, path + (i,)) for i, v in enumerate(value))
+        return tuple(sanitize(v, depth + 1, leaves, path + (i,), graph) for i, v in enumerate(value))
     if isinstance(value, list):
-        return [sanitize(v, depth + 1, leaves, path + (i,)) for i, v in enumerate(value)]
+        return [sanitize(v, depth + 1, leaves, path + (i,), graph) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return Record((k, sanitize(v, depth + 1, leaves, path + (k,))) for k, v in value.items()
+        return Record((k, sanitize(v, depth + 1, leaves, path + (k,), graph)) for k, v in value.items()
                       if isinstance(k, (str, int)))
     return None
 
@@ -65,7 +67,8 @@ def release(value, depth=0):
     """What leaves submitted code (its result, emitted values): plain tensors, numbers, strings, containers;
     anything else is a ``TypeError``."""
     if isinstance(value, torch.Tensor):
-        return plain(value)
+        with DisableTorchFunction():
+            return plain(value).detach()     # no autograd graph leaves with it (gradient requests)
     if isinstance(value, str):
         return scrub(value)
     if value is None or isinstance(value, (bool, int, float, bytes, torch.dtype)):
