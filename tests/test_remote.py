@@ -440,16 +440,101 @@ def test_captured_values_cannot_reach_another_tenant(live):
     b.close()
 
 
+# --------------------------------------------------------------------------- gradients (docs/remote.md)
+def test_gradients_run_remotely_as_locally(lm, local):
+    """Saliency of a hidden state (torch.autograd.grad), a backward from the loss to a .grad point, and
+    attribution patching (two invokes, a future, one backward): remote equals local."""
+    async def saliency(m):
+        h = await m.transformer.h[LAYER].output
+        logits = await m.lm_head.output
+        (g,) = torch.autograd.grad(logits[:, -1].max(), h)
+        return g.norm(dim=-1)
+
+    same(lm.trace(PROMPT, saliency), local.trace(PROMPT, saliency))
+
+    async def through_backward(m):
+        await m.transformer.h[0].output
+        grad = await ai.spawn(m.transformer.h[0].output.grad)     # resumed during the backward below
+        loss = (await m.lm_head.output)[:, -1].logsumexp(-1).sum()
+        await m.backward(loss)
+        return (await grad).abs().sum(-1)
+
+    same(lm.trace(PROMPT, through_backward), local.trace(PROMPT, through_backward))
+
+    def attribution_patching(model):
+        clean = ai.Future()
+
+        async def record(m):
+            clean.set_result((await m.transformer.h[LAYER].output)[:, -1].detach().clone())
+
+        async def attribute(m):
+            h = await m.transformer.h[LAYER].output
+            grad = await ai.spawn(m.transformer.h[LAYER].output.grad)
+            logits = await m.lm_head.output
+            await m.backward(logits[:, -1].log_softmax(-1)[:, 0].sum())
+            return ((await clean) - h[:, -1].detach()).mul((await grad)[:, -1]).sum(-1)
+
+        with model.trace() as run:
+            run.invoke(PROMPT, record)
+            b = run.invoke("The Colosseum is in the city of", attribute)
+        return b.result
+
+    same(attribution_patching(lm), attribution_patching(local))
+
+
+# --------------------------------------------------------------------------- sessions
+async def patching_sweep(model, layers=(0, 1)):
+    """A session: a clean run, then one patched run per layer, the clean activations flowing between them."""
+    async def record(m):
+        return [(await m.transformer.h[i].output)[:, -1].clone() for i in range(len(m.transformer.h))]
+
+    clean = await model.atrace(PROMPT, record)
+    out = []
+    for layer in layers:
+        async def patch(m, layer=layer):
+            h = await m.transformer.h[layer].output
+            h[:, -1] = clean[layer]
+            return (await m.lm_head.output)[:, -1].softmax(-1).max()
+        out.append(await model.atrace("The Colosseum is in the city of", patch))
+    return out
+
+
+def test_a_session_runs_remotely_as_locally(local, lm):
+    expected = asyncio.run(patching_sweep(local, layers=(1, 0)))
+    same(expected, lm.session(patching_sweep, layers=(1, 0)))          # one request
+
+    async def main():
+        return await lm.asession(patching_sweep, layers=(1, 0))
+    for backend in ("asyncio", "trio"):
+        same(expected, anyio.run(main, backend=backend))
+
+    with pytest.raises(TypeError, match="a remote session is a function"):
+        lm.session()
+
+
+def test_a_session_error_keeps_its_type_and_line(lm):
+    async def bad(model):
+        async def read(m):
+            return await m.transformer.h[0].output
+        await model.atrace(PROMPT, read)
+        raise ValueError("no luck")
+
+    with pytest.raises(ValueError, match="no luck") as info:
+        lm.session(bad)
+    assert isinstance(info.value, RemoteError)
+    with pytest.raises(TypeError, match="cannot travel"):
+        handle = open(__file__)
+        try:
+            async def uses_file(model):
+                return handle.read()
+            lm.session(uses_file)
+        finally:
+            handle.close()
+
+
 # --------------------------------------------------------------------------- docs/remote.md's "cannot run remotely"
 def test_what_cannot_run_remotely_fails_clearly(lm):
     from asyncinterp.kernel.errors import ReplacementError
-
-    async def saliency(m):
-        h = await m.transformer.h[0].output
-        return torch.autograd.grad(h.sum(), h)
-
-    with pytest.raises(RemoteError, match="operation 'grad' is not available"):
-        lm.trace(PROMPT, saliency)
 
     with pytest.raises(TypeError, match="a cache filter function cannot travel"):
         ai.cache(lm, PROMPT, lambda path, module: path.endswith("mlp"))

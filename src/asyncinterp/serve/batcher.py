@@ -227,7 +227,9 @@ class Batcher(aio.Closable):
             key = ("generate", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
         else:
             kwargs = invokes[0][2] if len(invokes[0]) > 2 else {}   # (the invokes of a job agree on them)
-            key = ("trace", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
+            grad = any(getattr(fn, "needs_grad", False) for invoke in invokes for fn in invoke[1])
+            key = ("trace", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())),
+                   grad)
         req = Group(kind, invokes, key, gen, max_new_tokens, on_cancel, stream, meter, on_error)
         req.meter.attach(self.ledger)
         self._submit(req)
@@ -460,7 +462,7 @@ class Batcher(aio.Closable):
         if generating:
             run.invoke(None, _GenerationWatch(self, requests))
         self._current = run
-        grad = any(getattr(fn, "needs_grad", False) for r in live for fn in r.fns)
+        grad = any(getattr(fn, "needs_grad", False) for r in requests.values() for fn in r.fns)
         try:
             if grad:
                 with torch.enable_grad():   # gradient requests (their key keeps them among themselves)

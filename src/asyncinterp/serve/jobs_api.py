@@ -27,6 +27,7 @@ version check stay, the batcher runs its traces.
 from __future__ import annotations
 
 import functools
+import types
 import time
 
 import torch
@@ -43,6 +44,7 @@ from .requests import Meter
 from .rebuild import DescriptionRefused
 from .rebuild_sandbox import Sandboxed
 from .sandbox import SandboxRefused
+from .sandbox.gradients import check_no_grad_refusal
 
 __all__ = ["routes"]
 
@@ -176,7 +178,10 @@ def _load(server, data, sandbox, timeout):
         return fn
 
     try:
-        return loads_job(data, limits=server.limits, compile_source=sandbox or refuse_code, named=named)
+        job = loads_job(data, limits=server.limits, compile_source=sandbox or refuse_code, named=named)
+        if sandbox is not None and sandbox.clock.grad:
+            check_no_grad_refusal(types.SimpleNamespace(needs_grad=True), server.front.kind)
+        return job
     except RequestFailed:
         raise
     except SandboxRefused as exc:

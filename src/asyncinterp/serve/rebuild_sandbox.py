@@ -30,6 +30,7 @@ from .sandbox.clock import Clock
 from .sandbox.driver import Driven
 from .sandbox.envoys import SafeEnvoy, setpoint
 from .sandbox.errors import SUBMITTED_PREFIX
+from .sandbox.gradients import needs_grad
 from .sandbox.instrumentation import MEMBER, PLAIN, SETPOINT, TICK, instrument
 from .sandbox.namespace import read_unlisted, safe_builtins, text_safe
 from .sandbox.values import release, sanitize
@@ -43,6 +44,7 @@ class Sandboxed:
     def __init__(self, deadline: float | None = None, budget: float | None = None, model=None):
         self.clock = Clock(deadline, budget)
         self.model = model
+        self.entries = []       # entry points made so far: all run with autograd on once any source names a gradient
 
     def envoy(self, path: str):
         """A captured reference to the model's module at ``path``, as submitted code sees modules."""
@@ -53,6 +55,10 @@ class Sandboxed:
 
     def __call__(self, source: str, filename: str, namespace: dict) -> None:
         tree = check_source(source)
+        if needs_grad(tree):     # a gradient request: private copies stay on the graph, autograd on in its forwards
+            self.clock.grad = True
+            for submitted in self.entries:
+                submitted.needs_grad = True
         filename = f"{SUBMITTED_PREFIX}{filename.strip('<>')}>"   # how the sandbox's tracebacks know its frames
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         code = compile(instrument(tree), filename, "exec")
@@ -80,6 +86,8 @@ class Sandboxed:
 
         submitted.__qualname__ = submitted.__name__ = name
         submitted.sandboxed = True   # submitted code (a server puts it in its code worker pool)
+        submitted.needs_grad = clock.grad
+        self.entries.append(submitted)
         return submitted
 
 

@@ -65,7 +65,7 @@ def remote(url: str, api_key: str | None = None, *, timeout: float = 120.0, chec
 
 
 class RemoteModel:
-    """A served model: ``trace``/``atrace``, ``generate``/``agenerate``, ``stream``, ``registered``."""
+    """A served model: ``trace``/``atrace``, ``generate``/``agenerate``, ``stream``, ``registered``, ``session``."""
 
     edits = ()   # persistent edits (model.edit) do not run remotely
     travels_as_model = True   # an intervention that reads this object gets the served model (capture)
@@ -235,6 +235,41 @@ class RemoteModel:
                 execution.cancel()
                 tg.cancel_scope.cancel()
 
+    # ------------------------------------------------------------------ sessions
+    def session(self, fn=None, /, *, timeout: float | None = None, **keywords):
+        """Run a session on the server: ``fn`` is an ``async def fn(model, **keywords)`` that runs several traces
+        (``await model.atrace(...)``, ``await model.agenerate(...)``), values flowing between them; it travels
+        once (``POST /v1/sessions``), its traces join the server's shared batches, and only its return value
+        comes back. The same function runs locally: ``await fn(local_model)``.
+        """
+        if fn is None:
+            raise TypeError("a remote session is a function: write the runs as `async def sweep(model): ... "
+                            "await model.atrace(x, fn) ...` and call `lm.session(sweep)` (locally: "
+                            "`await sweep(lm)`); a `with model.session()` block cannot travel")
+        r = self.http.post(f"{self.url}/v1/sessions", content=self._session_body(fn, timeout, keywords),
+                           headers=self.headers, timeout=self._request_timeout(timeout))
+        return _session_result(r.status_code, r.content)
+
+    async def asession(self, fn, /, *, timeout: float | None = None, **keywords):
+        """:meth:`session` for async code (asyncio or trio); cancelling it stops the session on the server."""
+        import anyio
+        body = self._session_body(fn, timeout, keywords)
+        async with httpx.AsyncClient(timeout=self._request_timeout(timeout)) as http:
+            r = await http.post(f"{self.url}/v1/sessions", content=body, headers=self.headers)
+        await anyio.lowlevel.checkpoint()
+        return _session_result(r.status_code, r.content)
+
+    def _session_body(self, fn, timeout, keywords) -> bytes:
+        import functools
+        from .sessions import session_body
+        if not callable(fn):
+            raise TypeError(f"a session is an `async def` taking the model, got {type(fn).__name__}")
+        return session_body(functools.partial(fn, **keywords) if keywords else fn, timeout)
+
+    def _request_timeout(self, timeout):
+        t = self.timeout if timeout is None else float(timeout)
+        return httpx.Timeout(t + 10.0, connect=10.0)
+
     def edit(self, fn, inplace: bool = False):
         """Persistent edits do not run on a remote model: add the function to every trace's invokes instead."""
         raise NotImplementedError("persistent edits (model.edit) do not run on a remote model: pass the edit as "
@@ -402,6 +437,13 @@ class RemoteGeneration(RemoteInvoke):
 
 # --------------------------------------------------------------------------- errors
 _CLASSES = {}
+
+
+def _session_result(status, content):
+    try:
+        return _decode_response(status, content)["result"]
+    except RemoteError as exc:
+        raise remote_exception(exc) from None
 
 
 def remote_exception(exc: RemoteError) -> RemoteError:

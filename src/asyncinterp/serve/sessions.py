@@ -111,7 +111,7 @@ class SessionModel:
     def _input(self, input):
         server = object.__getattribute__(self, "_server")
         try:
-            x, length = server._input(input)
+            x, length = server.check_input(input)
         except RequestFailed as fail:
             raise ValueError(f"{fail.error.get('message', fail)} ({user_line()})") from None
         return x, length
@@ -140,7 +140,7 @@ class SessionModel:
             raise TypeError("this model does not generate")
         x, length = self._input(input)
         try:
-            server._check_new_tokens(length, max_new_tokens)
+            server.check_new_tokens(length, max_new_tokens)
         except RequestFailed as fail:
             raise ValueError(f"{fail.error.get('message', fail)} ({user_line()})") from None
         entries = self._entries(fns)
@@ -218,13 +218,13 @@ async def session_endpoint(server, request):
         if not server.allow_code:
             raise RequestFailed("refused", "this server does not accept submitted code (start it with "
                                            "--allow-code), so it runs no sessions")
-        obj = server._decode(await server._read_body(request))
-        server._fields(obj, {"capture", "session", "timeout"})
-        timeout = server._timeout(obj)
+        obj = server.decode_body(await server.read_body(request))
+        server.check_fields(obj, {"capture", "session", "timeout"})
+        timeout = server.request_timeout(obj)
         name = (obj.get("session") or {}).get("function") if isinstance(obj.get("session"), dict) else None
         fields["intervention"] = f"session:{short_repr(name)}"
         run = load_session(server, obj, server.batcher, timeout)    # refusals here, before any model work
         if server.supervised:     # it runs in the worker that runs submitted code (loaded there again)
             run = functools.partial(server.batcher.session, obj, timeout)
-        return await server._respond(request, fields, run, lambda value: {"ok": True, "result": value})
-    return await server._guarded(request, "session", work)
+        return await server.respond(request, fields, run, lambda value: {"ok": True, "result": value})
+    return await server.guarded(request, "session", work)
