@@ -56,7 +56,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import errors, openai_compat, tokenize_api, wire
+from . import choices, errors, openai_compat, structured, tokenize_api, wire
+from . import logprobs as logprob_fields
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
 from .metrics import ServerMetrics
@@ -640,23 +641,29 @@ class Server:
             req = openai_compat.parse_request(kind, openai_compat.decode_body(await self._read_body(request)),
                                               self.interventions, self.front.vocab_size())
             engine_options = self.front.sampling_options(req.fields)   # refuses what this engine cannot honour
+            logprob_fields.check_engine(req.logprobs, self.supervised)
+            engine_options.update(logprob_fields.engine_options(req.logprobs))
+            engine_options.update(structured.engine_options(req.structured, self.front.kind))
             if req.model != self.name:
                 raise RequestFailed("not_found", f"the model {req.model!r} does not exist here; this server serves "
                                             f"{self.name!r} (GET /v1/models)", param="model")
-            prompt = req.prompt if req.messages is None else openai_compat.chat_prompt(self.model.tokenizer,
-                                                                                      req.messages)
+            prompts = req.prompts if req.messages is None else [
+                openai_compat.chat_prompt(self.model.tokenizer, req.messages)]
         except BadRequest as exc:
             raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
-        try:
-            x, length = self._input(prompt)
-        except RequestFailed as fail:   # the same checks as /v1/generate; OpenAI's errors name the field at fault
-            fail.param = "prompt" if req.messages is None else "messages"
-            raise
-        n = req.max_tokens
-        if n is None:   # chat without a limit: as much as the server and the context allow
-            ctx = self.front.context_length
-            n = max(1, min(self.max_new_tokens, ctx - length)) if ctx else self.max_new_tokens
-        self._check_new_tokens(length, n, req.max_tokens_param)
+        inputs = []
+        for prompt in prompts:
+            try:
+                x, length = self._input(prompt)
+            except RequestFailed as fail:   # the same checks as /v1/generate; OpenAI's errors name the field at fault
+                fail.param = "prompt" if req.messages is None else "messages"
+                raise
+            n = req.max_tokens
+            if n is None:   # chat without a limit: as much as the server and the context allow
+                ctx = self.front.context_length
+                n = max(1, min(self.max_new_tokens, ctx - length)) if ctx else self.max_new_tokens
+            self._check_new_tokens(length, n, req.max_tokens_param)
+            inputs.append((prompt, x, length, n))
         try:
             timeout = self._timeout({"timeout": req.timeout})
             fn, on_cancel, label, meter = self._intervention(req.intervention, timeout, required=False)
@@ -665,9 +672,12 @@ class Server:
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
         fns = (fn,) if fn is not None else ()
+        if len(inputs) > 1 or req.n > 1:
+            return await self._openai_choices(request, fields, req, inputs, fns, timeout, on_cancel, meter,
+                                              engine_options)
+        prompt, x, length, n = inputs[0]
         x = self.front.generation_input(x, req.cache_salt)
-        shaper = openai_compat.Shaper(req, n, length, self.front.eos_ids(), fn is not None,
-                                      self.prompt_tokens_details, self.model.tokenizer)
+        shaper = self._shaper(req, prompt, n, length, fn is not None)
         options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
                        **{**req.generate, **engine_options})
         if req.stream:
@@ -690,6 +700,55 @@ class Server:
             return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         call = functools.partial(self.batcher.generate, x, *fns, **options)
         return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
+
+    def _shaper(self, req, prompt, n, length, extension):
+        tok = self.model.tokenizer
+        shaper = openai_compat.Shaper(req, n, length, self.front.eos_ids(), extension, self.prompt_tokens_details,
+                                      tok)
+        if req.logprobs.echo:   # vLLM echoes a prompt's own text, or the text of its token ids
+            shaper.prompt_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
+            shaper.prompt_ids = list(tok(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        return shaper
+
+    async def _openai_choices(self, request, fields, req, inputs, fns, timeout, on_cancel, meter, engine_options):
+        """Several choices (a list of prompts, ``n`` > 1): one batcher request each (see :mod:`.choices`)."""
+        shapers, streams = [], []
+        try:
+            for p, (prompt, x, length, n) in enumerate(inputs):
+                x = self.front.generation_input(x, req.cache_salt)
+                for sample in range(req.n):
+                    shaper = self._shaper(req, prompt, n, length, bool(fns))
+                    shaper.index, shaper.prompt_key = len(shapers), p
+                    generate = choices.seed_for(req.generate, sample)
+                    streams.append(self.batcher.stream_generate(
+                        x, *fns, max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
+                        **{**generate, **engine_options}))
+                    shapers.append(shaper)
+        except BatcherFull as exc:
+            for events in streams:
+                await events.aclose()
+            raise errors.failure(exc) from None
+        fields["choices"] = len(shapers)
+        if not req.stream:
+            call = functools.partial(choices.drain, streams)
+            return await self._respond(request, fields, call,
+                                       lambda results: JSONResponse(choices.response(shapers, results)))
+        fields["stream"] = True
+
+        def bodies():
+            out = []
+            for sh, events in zip(shapers, streams):
+                def stream_error(fail, sh=sh):
+                    self.metrics.failed(fail.kind)
+                    return sh.error(openai_compat.error_body(fail.status, fail.error, fail.param))
+                out.append(self._stream(events, sh.event, stream_error, end_on_error=True))
+            return out
+
+        async def body():
+            async with contextlib.aclosing(choices.stream(shapers, bodies())) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _msgpack_event(ev) -> bytes:

@@ -566,7 +566,6 @@ class _GenerationWatch:
         run = self.run
         kernel = run.kernel
         batch = run.batch
-        eos = self.eos
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         for idx, r in self.requests.items():
             if r.finished or idx in kernel.ended:
@@ -580,6 +579,7 @@ class _GenerationWatch:
                 r.finish_generation(self.tokenizer, early=True)
                 continue
             stops = check_stop(r.gen.get("stop"))
+            eos = () if r.gen.get("ignore_eos") else self.eos
             done_rows = 0
             for row_tokens, t in zip(r.tokens, rows):
                 if row_tokens and self._ended(row_tokens, eos, stops):
