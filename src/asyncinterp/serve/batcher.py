@@ -193,6 +193,10 @@ class Batcher(aio.Closable):
             key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())))
         else:
             key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
+            if gen.get("seed") is not None:
+                # a seeded request runs alone: its draws then depend on its seed and prompt only (as in vLLM),
+                # not on which requests shared its generate call (they would share one random stream)
+                key += (object(),)
         req = Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream, meter)
         req.meter.attach(self.ledger)
         self._submit(req)
