@@ -18,7 +18,8 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
   msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
   (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`, vLLM's sampling fields in
-  :mod:`.sampling_fields`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
+  :mod:`.sampling_fields`, logprobs and echo in :mod:`.logprobs`, several choices in :mod:`.choices`,
+  ``response_format`` in :mod:`.structured`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
   sandbox and batching as the native endpoints;
 * ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` — vLLM's (shapes in :mod:`.tokenize_api`);
 * ``GET /metrics`` — Prometheus text (:mod:`.metrics`): requests by endpoint and status, sandbox refusals,
@@ -673,11 +674,11 @@ class Server:
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
         fns = (fn,) if fn is not None else ()
         if len(inputs) > 1 or req.n > 1:
-            return await self._openai_choices(request, fields, req, inputs, fns, timeout, on_cancel, meter,
-                                              engine_options)
+            return await choices.respond(self, request, fields, req, inputs, fns,
+                                         dict(timeout=timeout, on_cancel=on_cancel, meter=meter, **engine_options))
         prompt, x, length, n = inputs[0]
         x = self.front.generation_input(x, req.cache_salt)
-        shaper = self._shaper(req, prompt, n, length, fn is not None)
+        shaper = choices.shaper(self, req, prompt, n, length, fn is not None)
         options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
                        **{**req.generate, **engine_options})
         if req.stream:
@@ -700,56 +701,6 @@ class Server:
             return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         call = functools.partial(self.batcher.generate, x, *fns, **options)
         return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
-
-    def _shaper(self, req, prompt, n, length, extension):
-        tok = self.model.tokenizer
-        shaper = openai_compat.Shaper(req, n, length, self.front.eos_ids(), extension, self.prompt_tokens_details,
-                                      tok)
-        if req.logprobs.echo:   # vLLM echoes a prompt's own text, or the text of its token ids
-            shaper.prompt_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
-            shaper.prompt_ids = list(tok(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
-        return shaper
-
-    async def _openai_choices(self, request, fields, req, inputs, fns, timeout, on_cancel, meter, engine_options):
-        """Several choices (a list of prompts, ``n`` > 1): one batcher request each (see :mod:`.choices`)."""
-        shapers, streams = [], []
-        try:
-            for p, (prompt, x, length, n) in enumerate(inputs):
-                x = self.front.generation_input(x, req.cache_salt)
-                for sample in range(req.n):
-                    shaper = self._shaper(req, prompt, n, length, bool(fns))
-                    shaper.index, shaper.prompt_key = len(shapers), p
-                    generate = choices.seed_for(req.generate, sample)
-                    streams.append(self.batcher.stream_generate(
-                        x, *fns, max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
-                        **{**generate, **engine_options}))
-                    shapers.append(shaper)
-        except BatcherFull as exc:
-            for events in streams:
-                await events.aclose()
-            raise errors.failure(exc) from None
-        fields["choices"] = len(shapers)
-        if not req.stream:
-            call = functools.partial(choices.drain, streams)
-            return await self._respond(request, fields, call,
-                                       lambda results: JSONResponse(choices.response(shapers, results)))
-        fields["stream"] = True
-
-        def bodies():
-            out = []
-            for sh, events in zip(shapers, streams):
-                def stream_error(fail, sh=sh):
-                    self.metrics.failed(fail.kind)
-                    return sh.error(openai_compat.error_body(fail.status, fail.error, fail.param))
-                out.append(self._stream(events, sh.event, stream_error, end_on_error=True))
-            return out
-
-        async def body():
-            async with contextlib.aclosing(choices.stream(shapers, bodies())) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
 
 def _msgpack_event(ev) -> bytes:
     if ev["event"] == "done":

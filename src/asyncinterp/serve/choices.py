@@ -17,9 +17,63 @@ one usage chunk and ``[DONE]``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
+from starlette.responses import JSONResponse, StreamingResponse
+
+from . import errors, openai_compat
+from .batcher import BatcherFull
 from .openai_compat import DONE, EXT
 
-__all__ = ["seed_for", "response", "stream", "drain"]
+__all__ = ["drain", "respond", "response", "seed_for", "shaper", "stream"]
+
+
+def shaper(server, req, prompt, n, length, extension):
+    """The :class:`~.openai_compat.Shaper` of one choice of ``server``'s answer to ``req`` (``prompt``: its prompt,
+    ``n``: its token limit, ``length``: the prompt's tokens; ``extension``: the request has an intervention)."""
+    tok = server.model.tokenizer
+    out = openai_compat.Shaper(req, n, length, server.front.eos_ids(), extension, server.prompt_tokens_details, tok)
+    if req.logprobs.echo:   # vLLM echoes a prompt's own text, or the text of its token ids
+        out.prompt_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
+        out.prompt_ids = list(tok(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+    return out
+
+
+async def respond(server, request, fields, req, inputs, fns, options):
+    """``server``'s answer with several choices: ``inputs`` are the checked ``(prompt, input, length, max new
+    tokens)`` of each prompt, ``fns`` the intervention, ``options`` the generation keywords of every choice."""
+    shapers, streams = [], []
+    try:
+        for p, (prompt, x, length, n) in enumerate(inputs):
+            x = server.front.generation_input(x, req.cache_salt)
+            for sample in range(req.n):
+                sh = shaper(server, req, prompt, n, length, bool(fns))
+                sh.index, sh.prompt_key = len(shapers), p
+                streams.append(server.batcher.stream_generate(x, *fns, max_new_tokens=n,
+                                                              **{**seed_for(req.generate, sample), **options}))
+                shapers.append(sh)
+    except BatcherFull as exc:
+        for events in streams:
+            await events.aclose()
+        raise errors.failure(exc) from None
+    fields["choices"] = len(shapers)
+    if not req.stream:
+        return await server._respond(request, fields, functools.partial(drain, streams),
+                                     lambda results: JSONResponse(response(shapers, results)))
+    fields["stream"] = True
+    bodies = []
+    for sh, events in zip(shapers, streams):
+        def stream_error(fail, sh=sh):
+            server.metrics.failed(fail.kind)     # the answer's status was 200; its failure still counts
+            return sh.error(openai_compat.error_body(fail.status, fail.error, fail.param))
+        bodies.append(server._stream(events, sh.event, stream_error, end_on_error=True))
+
+    async def body():
+        async with contextlib.aclosing(stream(shapers, bodies)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def seed_for(generate: dict, sample: int) -> dict:
