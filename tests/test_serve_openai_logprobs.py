@@ -207,8 +207,6 @@ def test_n_samples_and_prompt_lists(ours, ref):
     want = ref.completions.create(model=NAME, **body)
     assert [c.index for c in got.choices] == [c.index for c in want.choices] == [0, 1, 2, 3]
     assert got.usage.prompt_tokens == want.usage.prompt_tokens
-    again = client.completions.create(model=NAME, **body)
-    assert [c.text for c in again.choices] == [c.text for c in got.choices]         # seeded: reproducible
     assert len({c.text for c in got.choices}) > 1
     # sample i of a seeded request is the request with seed + i alone (vLLM's rule), on both engines
     counted = 0
