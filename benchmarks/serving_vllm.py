@@ -301,7 +301,8 @@ def render(rows, meta) -> str:
     lines = [f"Serving on vLLM: {os.path.basename(meta['model_dir'])}, {meta['requests']} requests x "
              f"{meta['max_tokens']} tokens, {meta['clients']} streaming clients, greedy "
              f"({meta['cpus']} CPUs, {meta['date']})", "",
-             "| case | req/s | tok/s | vs vLLM (same fields) | TTFT p50 s | TTFT p95 s | TTFT p50 vs vLLM | latency p50 s | "
+             "| case | req/s | tok/s | vs vLLM (same fields) |"
+             " TTFT p50 s | TTFT p95 s | TTFT p50 vs vLLM | latency p50 s | "
              "latency p95 s | short behind long: TTFT s (engine steps) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case, r in rows.items():

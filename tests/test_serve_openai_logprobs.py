@@ -1,5 +1,5 @@
-"""``logprobs``, ``echo`` (prompt logprobs), a list of prompts, ``n`` > 1, ``ignore_eos``, ``include_stop_str_in_output``,
-``skip_special_tokens`` and ``response_format``: our server against vLLM's own, through the ``openai`` package.
+"""``logprobs``, ``echo`` (prompt logprobs), a list of prompts, ``n`` > 1, ``ignore_eos``,
+``include_stop_str_in_output``, ``skip_special_tokens`` and ``response_format``: our server against vLLM's own, through the ``openai`` package.
 
 vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``, a subprocess) is started once for the
 module on the bundled SmolLM2-135M (float32, eager, small KV cache): it is the reference. Ours runs over the

@@ -18,8 +18,8 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
   msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
   (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`, vLLM's sampling fields in
-  :mod:`.sampling_fields`, logprobs and echo in :mod:`.logprobs`, several choices in :mod:`.choices`,
-  ``response_format`` in :mod:`.structured`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
+  :mod:`.sampling_fields`, logprobs and echo in :mod:`.logprobs`, several choices in
+  :mod:`.choices`, ``response_format`` in :mod:`.structured`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
   sandbox and batching as the native endpoints;
 * ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` — vLLM's (shapes in :mod:`.tokenize_api`);
 * ``GET /metrics`` — Prometheus text (:mod:`.metrics`): requests by endpoint and status, sandbox refusals,

@@ -54,7 +54,7 @@ _NEUTRAL = {
 }
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-           "cache_salt", "response_format", EXT} | sampling_fields.FIELDS      # vLLM's sampling fields (see .sampling_fields)
+           "cache_salt", "response_format", EXT} | sampling_fields.FIELDS   # vLLM's sampling fields
 _FIELDS = {
     "completions": _COMMON | {"prompt", "echo", "logprobs"},
     "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
