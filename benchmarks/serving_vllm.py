@@ -17,7 +17,10 @@ greedy, ``max_tokens`` new tokens each). Cases:
                         every step and returns one float per step (``read_norm``, registered
                         from benchmarks/serving_vllm_interventions.py);
 * ``ai read/step, full vectors`` -- the built-in ``read``: the same read, returning the whole
-                        576-wide vector of every step (18,432 floats of JSON per request).
+                        576-wide vector of every step (18,432 floats of JSON per request);
+* ``vllm logprobs=5`` / ``ai logprobs=5`` -- plain requests asking ``logprobs: 5`` (each
+                        streamed token with its 5 most likely alternatives), on each server;
+                        the ``ai`` case is compared with vLLM's server's ``logprobs=5`` case.
 
 Reported per case: requests/s, tokens/s, time to first token p50/p95,
 latency p50/p95; and the *short-behind-long probe*: a streaming request of
@@ -26,7 +29,8 @@ request (4 tokens) is sent, and its time to first token is compared with the
 long request's median inter-token time (one engine step).
 Targets (issue 9): throughput >= 0.9x vLLM's server without interventions and
 >= 0.85x with the per-step read; TTFT p50 <= 1.5x vLLM's; the short request's
-first token within 3 engine steps.
+first token within 3 engine steps. Issue 22: with ``logprobs=5``, >= 0.9x vLLM's
+throughput with the same field and TTFT p50 <= 1.5x.
 """
 
 from __future__ import annotations
@@ -238,6 +242,8 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="KV cache size, both servers (default 1 GiB)")
     ap.add_argument("--layer", default="model.layers.15", help="module the per-step read intervention reads")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated case names to run (default: all), e.g. 'vllm,vllm logprobs=5,ai logprobs=5'")
     ap.add_argument("--out", default=None, help="write benchmarks/results/serving_vllm-OUT.{json,md}")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -248,15 +254,22 @@ def main():
         model_dir = str(smollm2_dir())
     read = {"asyncinterp": {"intervention": "read_norm", "params": {"module": args.layer}}}
     read_all = {"asyncinterp": {"intervention": "read", "params": {"module": args.layer, "position": -1}}}
+    logprobs = {"logprobs": 5}
     logdir = os.path.join(HERE, "results", "logs")
     os.makedirs(logdir, exist_ok=True)
     rows = {}
     meta = {"model_dir": model_dir, "requests": args.requests, "clients": args.clients,
             "max_tokens": args.max_tokens, "python": platform.python_version(), "cpus": os.cpu_count(),
             "date": _dt.datetime.now().isoformat(timespec="seconds")}
-    for name, make, cases in (("vllm", vllm_server, [("vllm", None)]),
+    for name, make, cases in (("vllm", vllm_server, [("vllm", None), ("vllm logprobs=5", logprobs)]),
                               ("asyncinterp", ai_server, [("ai plain", None), ("ai read/step", read),
-                                                               ("ai read/step, full vectors", read_all)])):
+                                                               ("ai read/step, full vectors", read_all),
+                                                               ("ai logprobs=5", logprobs)])):
+        if args.cases is not None:
+            wanted = {c.strip() for c in args.cases.split(",")}
+            cases = [(case, extra) for case, extra in cases if case in wanted]
+            if not cases:
+                continue
         port = free_port()
         server = make(model_dir, args, port, os.path.join(logdir, f"serving_vllm-{name}.log"))
         try:
@@ -285,14 +298,15 @@ def main():
 
 
 def render(rows, meta) -> str:
-    base = rows.get("vllm")
     lines = [f"Serving on vLLM: {os.path.basename(meta['model_dir'])}, {meta['requests']} requests x "
              f"{meta['max_tokens']} tokens, {meta['clients']} streaming clients, greedy "
              f"({meta['cpus']} CPUs, {meta['date']})", "",
-             "| case | req/s | tok/s | vs vLLM | TTFT p50 s | TTFT p95 s | TTFT p50 vs vLLM | latency p50 s | "
+             "| case | req/s | tok/s | vs vLLM (same fields) |"
+             " TTFT p50 s | TTFT p95 s | TTFT p50 vs vLLM | latency p50 s | "
              "latency p95 s | short behind long: TTFT s (engine steps) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case, r in rows.items():
+        base = rows.get("vllm logprobs=5" if "logprobs" in case else "vllm")
         ratio = r["tok_s"] / base["tok_s"] if base else float("nan")
         tt = r["ttft_p50"] / base["ttft_p50"] if base else float("nan")
         lines.append(f"| {case} | {r['req_s']:.2f} | {r['tok_s']:.0f} | {ratio:.2f}x | {r['ttft_p50']:.3f} | "

@@ -93,11 +93,15 @@ def test_min_tokens_holds_back_the_end_of_sequence(client, lm):
     assert shown == text + lm.tokenizer.eos_token
 
 
-def test_ignore_eos_is_refused_on_transformers(client):
-    with pytest.raises(openai.BadRequestError) as err:
-        complete(client, ignore_eos=True)
-    assert "ignore_eos is not supported on the transformers engine" in str(err.value)
-    assert err.value.body["param"] == "ignore_eos"
+def test_ignore_eos_runs_to_max_tokens_on_transformers(client, lm):
+    eos = lm.tokenizer.eos_token_id
+    forced = {"logit_bias": {str(eos): 100}}
+    assert complete(client, **forced)[1:] == (1, "stop")
+    text, n, reason = complete(client, ignore_eos=True, **forced)
+    assert (n, reason) == (8, "length") and text == ""          # eight end-of-sequence tokens, not shown
+    shown, _, _ = complete(client, ignore_eos=True, skip_special_tokens=False, **forced)
+    assert shown == lm.tokenizer.eos_token * 8
+    assert stream_text(client, ignore_eos=True, skip_special_tokens=False, **forced) == (shown, "length")
 
 
 def test_stop_token_ids_end_the_answer_at_that_id(client, lm):

@@ -20,7 +20,8 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
   (:mod:`.sessions`; only when the server allows code);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
   (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`, vLLM's sampling fields in
-  :mod:`.sampling_fields`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
+  :mod:`.sampling_fields`, logprobs and echo in :mod:`.logprobs`, several choices in
+  :mod:`.choices`, ``response_format`` in :mod:`.structured`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
   sandbox and batching as the native endpoints;
 * ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` — vLLM's (shapes in :mod:`.tokenize_api`);
 * ``POST /v1/jobs`` — a whole job of N invokes with captured interventions (``ai.remote``; :mod:`.jobs_api`);
@@ -59,7 +60,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import confine, errors, jobs_api, openai_compat, sessions, tokenize_api, wire
+from . import choices, confine, errors, jobs_api, openai_compat, sessions, structured, tokenize_api, wire
+from . import logprobs as logprob_fields
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
 from .metrics import ServerMetrics
@@ -648,23 +650,29 @@ class Server:
             req = openai_compat.parse_request(kind, openai_compat.decode_body(await self._read_body(request)),
                                               self.interventions, self.front.vocab_size())
             engine_options = self.front.sampling_options(req.fields)   # refuses what this engine cannot honour
+            logprob_fields.check_engine(req.logprobs, self.supervised)
+            engine_options.update(logprob_fields.engine_options(req.logprobs))
+            engine_options.update(structured.engine_options(req.structured, self.front.kind))
             if req.model != self.name:
                 raise RequestFailed("not_found", f"the model {req.model!r} does not exist here; this server serves "
                                             f"{self.name!r} (GET /v1/models)", param="model")
-            prompt = req.prompt if req.messages is None else openai_compat.chat_prompt(self.model.tokenizer,
-                                                                                      req.messages)
+            prompts = req.prompts if req.messages is None else [
+                openai_compat.chat_prompt(self.model.tokenizer, req.messages)]
         except BadRequest as exc:
             raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
-        try:
-            x, length = self._input(prompt)
-        except RequestFailed as fail:   # the same checks as /v1/generate; OpenAI's errors name the field at fault
-            fail.param = "prompt" if req.messages is None else "messages"
-            raise
-        n = req.max_tokens
-        if n is None:   # chat without a limit: as much as the server and the context allow
-            ctx = self.front.context_length
-            n = max(1, min(self.max_new_tokens, ctx - length)) if ctx else self.max_new_tokens
-        self._check_new_tokens(length, n, req.max_tokens_param)
+        inputs = []
+        for prompt in prompts:
+            try:
+                x, length = self._input(prompt)
+            except RequestFailed as fail:   # the same checks as /v1/generate; OpenAI's errors name the field at fault
+                fail.param = "prompt" if req.messages is None else "messages"
+                raise
+            n = req.max_tokens
+            if n is None:   # chat without a limit: as much as the server and the context allow
+                ctx = self.front.context_length
+                n = max(1, min(self.max_new_tokens, ctx - length)) if ctx else self.max_new_tokens
+            self._check_new_tokens(length, n, req.max_tokens_param)
+            inputs.append((prompt, x, length, n))
         try:
             timeout = self._timeout({"timeout": req.timeout})
             fn, on_cancel, label, meter = self._intervention(req.intervention, timeout, required=False)
@@ -673,9 +681,12 @@ class Server:
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
         fns = (fn,) if fn is not None else ()
+        if len(inputs) > 1 or req.n > 1:
+            return await choices.respond(self, request, fields, req, inputs, fns,
+                                         dict(timeout=timeout, on_cancel=on_cancel, meter=meter, **engine_options))
+        prompt, x, length, n = inputs[0]
         x = self.front.generation_input(x, req.cache_salt)
-        shaper = openai_compat.Shaper(req, n, length, self.front.eos_ids(), fn is not None,
-                                      self.prompt_tokens_details, self.model.tokenizer)
+        shaper = choices.shaper(self, req, prompt, n, length, fn is not None)
         options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
                        **{**req.generate, **engine_options})
         if req.stream:

@@ -210,6 +210,10 @@ class Batcher(aio.Closable):
             key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())), grad)
         else:
             key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
+            if gen.get("seed") is not None:
+                # a seeded request runs alone: its draws then depend on its seed and prompt only (as in vLLM),
+                # not on which requests shared its generate call (they would share one random stream)
+                key += (object(),)
         req = Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream, meter)
         req.meter.attach(self.ledger)
         self._submit(req)
@@ -618,7 +622,6 @@ class _GenerationWatch:
         run = self.run
         kernel = run.kernel
         batch = run.batch
-        eos = self.eos
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         for idx, r in self.requests.items():
             if r.finished or idx in kernel.ended:
@@ -639,6 +642,7 @@ class _GenerationWatch:
                 r.finish_generation(self.tokenizer, early=True)
                 continue
             stops = check_stop(r.gen.get("stop"))
+            eos = () if r.gen.get("ignore_eos") else self.eos
             done_rows = 0
             for row_tokens, t in zip(r.tokens, rows):
                 if row_tokens and self._ended(row_tokens, eos, stops):

@@ -36,7 +36,8 @@ import torch
 
 from ..models.generating import stop_hit
 from .errors import openai_type
-from . import sampling_fields
+from . import logprobs as logprob_fields
+from . import sampling_fields, structured
 from .params import BadRequest, short_repr
 from .wire import WireError
 
@@ -46,19 +47,21 @@ MAX_STOP_CHARS = 256
 
 # fields OpenAI defines that this server does not implement: accepted only at their neutral values
 _NEUTRAL = {
-    "echo": (False, None), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+    "echo": (False, None), "top_logprobs": (None, 0), "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "function_call": (None, "none"), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,),
 }
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-           "cache_salt", EXT} | sampling_fields.FIELDS      # vLLM's sampling fields (see .sampling_fields)
+           "cache_salt", "response_format", EXT} | sampling_fields.FIELDS   # vLLM's sampling fields
 _FIELDS = {
-    "completions": _COMMON | {"prompt"},
-    "chat": _COMMON | {"messages", "max_completion_tokens"},
+    "completions": _COMMON | {"prompt", "echo", "logprobs"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_N = 16                                 # choices per prompt
+MAX_PROMPTS = 64                           # prompts in one completions request
 MAX_CACHE_SALT = 128                       # vLLM's server: at most 128 characters, none of '@', '/', '\\', NUL
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 
@@ -87,6 +90,10 @@ class OpenAIRequest:
     timeout: float | None = None
     cache_salt: str | None = None                   # vLLM's prefix-cache salt (plain requests only, see docs)
     fields: dict = field(default_factory=dict)      # vLLM's sampling fields that change anything (vLLM's names)
+    prompts: list = field(default_factory=list)     # completions: every prompt (a list of prompts: one choice each)
+    n: int = 1                                      # choices per prompt
+    logprobs: logprob_fields.LogprobRequest = field(default_factory=logprob_fields.LogprobRequest)
+    structured: dict | None = None                  # response_format as vLLM's structured-output keywords
 
     @property
     def max_tokens_param(self) -> str:
@@ -123,9 +130,12 @@ def parse_request(kind: str, obj: dict, registered: dict, vocab: int = 1 << 31) 
     if not isinstance(model, str) or not model:
         raise _bad("model is required: the name GET /v1/models lists", "model")
     req = OpenAIRequest(kind, model)
+    req.logprobs = logprob_fields.parse(kind, obj)
+    req.structured = structured.parse(obj.get("response_format"))
     if kind == "completions":
-        req.prompt = _prompt(obj.get("prompt"))
-        req.max_tokens = _max_tokens(obj, "max_tokens", default=16)
+        req.prompts = _prompts(obj.get("prompt"))
+        req.prompt = req.prompts[0]
+        req.max_tokens = 1 if req.logprobs.echo_only else _max_tokens(obj, "max_tokens", default=16)
     else:
         req.messages = _messages(obj.get("messages"))
         if obj.get("max_completion_tokens") is not None:
@@ -133,11 +143,13 @@ def parse_request(kind: str, obj: dict, registered: dict, vocab: int = 1 << 31) 
         else:
             req.max_tokens = _max_tokens(obj, "max_tokens")
     n = obj.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise _bad(f"n={short_repr(n)} is not supported: one choice per request (send several requests; the "
-                   "server batches them together)", "n")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_N):
+        raise _bad(f"n must be an integer in [1, {MAX_N}], got {short_repr(n)}", "n")
+    req.n = n or 1
     req.stop = _stops(obj.get("stop"))
     req.generate = _sampling(obj)
+    if req.n > 1 and not req.generate.get("do_sample"):
+        raise _bad(f"n must be 1 when using greedy sampling, got {req.n}.", "n")   # vLLM's words
     req.fields = sampling_fields.parse(obj, vocab, req.max_tokens, greedy=not req.generate.get("do_sample"))
     if req.stop:
         req.generate["stop"] = list(req.stop)
@@ -171,6 +183,15 @@ def _cache_salt(value):
     return value
 
 
+def _prompts(value):
+    """Completions' ``prompt``: a list of prompts (each a string or token ids)."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > MAX_PROMPTS:
+            raise _bad(f"at most {MAX_PROMPTS} prompts in one request", "prompt")
+        return [_prompt(v) for v in value]
+    return [_prompt(value)]
+
+
 def _prompt(value):
     if isinstance(value, str):
         if not value:
@@ -180,9 +201,6 @@ def _prompt(value):
         return value
     if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or isinstance(value[0], list)):
         return _prompt(value[0])
-    if isinstance(value, list) and len(value) > 1:
-        raise _bad("several prompts in one request are not supported: send one request per prompt (concurrent "
-                   "requests share forward passes on the server)", "prompt")
     raise _bad("prompt must be a string or a list of token ids", "prompt")
 
 
@@ -426,6 +444,17 @@ class Shaper:
         self.tokens = []
         self.stopped = False
         self.replay = None       # after a "restart": how many already-sent tokens to check again
+        # one choice of several (n > 1, a list of prompts: see .choices), and logprobs / echo (see .logprobs)
+        self.index = 0
+        self.prompt_key = 0      # which prompt of the request (usage counts each prompt once)
+        self.tail = True         # a stream ends with the usage chunk and [DONE] (a choice of several: not itself)
+        self.lp = logprob_fields.Shape(req.logprobs, tokenizer) if req.logprobs.wanted and tokenizer else None
+        self.prompt_text = ""    # echo: the prompt's text and ids (set by the server)
+        self.prompt_ids = []
+        self.lp_pending = []     # streaming: (token id, entry) whose logprobs have not been sent yet
+        self.echoed = False
+        self.echo_out = ""       # streaming: the echoed prompt, until it goes out
+        self.final = None        # streaming: the GenerateResult, once done
 
     # ---------------------------------------------------------------- one answer
     def finish_reason(self, tokens, hit_stop: bool) -> str:
@@ -463,18 +492,32 @@ class Shaper:
     def ext(self, g):
         return {"result": to_json(g.result), "emitted": _emitted(g.emitted)}
 
-    def response(self, g) -> dict:
-        """The non-streaming answer for a :class:`~.batcher.GenerateResult`."""
+    def choice(self, g) -> dict:
+        """This request's choice in the non-streaming answer for a :class:`~.batcher.GenerateResult`."""
         tokens, text, hit_id = self.answer_text(g.tokens, g.text)
         text, hit = cut_at_stop(text, self.req.stop, self.include_stop)
         reason = self.finish_reason(tokens, hit or hit_id)
+        logprobs = None
+        lpr = self.req.logprobs
+        if lpr.echo:     # vLLM: the prompt's text (and ids and logprobs) before the answer's; max_tokens=0: only them
+            text = self.prompt_text if lpr.echo_only else self.prompt_text + text
+        if self.lp is not None and lpr.top is not None:
+            gen = list(zip(tokens, g.logprobs or [None] * len(tokens)))
+            pairs = self._prompt_pairs(g) + ([] if lpr.echo_only else gen) if lpr.echo else gen
+            logprobs = self.lp.build([t for t, _ in pairs], [e for _, e in pairs])
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _prompt_pairs(self, g) -> list:
+        entries = g.prompt_logprobs or [None] * len(self.prompt_ids)
+        return list(zip(self.prompt_ids, entries))
+
+    def response(self, g) -> dict:
+        """The non-streaming answer for a :class:`~.batcher.GenerateResult`."""
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.req.model,
-               "choices": [choice], "usage": self.usage(g)}
+               "choices": [self.choice(g)], "usage": self.usage(g)}
         if self.extension:
             out[EXT] = self.ext(g)
         return out
@@ -487,17 +530,38 @@ class Shaper:
         return sse(body)
 
     def _piece(self, text=None, reason=None, role=False) -> dict:
+        logprobs = self._pending_logprobs() if not role else None
         if self.chat:
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+
+    def _pending_logprobs(self):
+        """Streaming: the logprobs of the tokens not reported yet (vLLM reports a chunk's tokens with it)."""
+        if self.lp is None or self.req.logprobs.top is None or not self.lp_pending:
+            return None
+        pairs, self.lp_pending = self.lp_pending, []
+        return self.lp.build([t for t, _ in pairs], [e for _, e in pairs])
+
+    def _echo(self, prompt_entries) -> str:
+        """Streaming echo: the prompt's text goes out before the first token's (its logprobs with it)."""
+        if self.echoed or not self.req.logprobs.echo:
+            return ""
+        self.echoed = True
+        entries = prompt_entries or [None] * len(self.prompt_ids)
+        if self.req.logprobs.top is not None:
+            self.lp_pending[:0] = list(zip(self.prompt_ids, entries))
+        self.echo_out = self.prompt_text
+        return self.prompt_text
 
     def start(self) -> bytes:
         """The first event: chat streams open with the assistant's role (as OpenAI's do)."""
+        if self.req.logprobs.echo_only:
+            return b""
         return self._chunk([self._piece("", role=True)]) if self.chat else b""
 
     def event(self, ev) -> bytes:
@@ -529,13 +593,26 @@ class Shaper:
         self.tokens.append(ev["token"])
         if self.stopped:
             return b""
+        if self.req.logprobs.echo_only:
+            return b""           # max_tokens=0: the prompt alone, sent when the request is done
+        if self.lp is not None:
+            self._echo(ev.get("prompt_logprobs"))
+            if self.req.logprobs.top is not None:
+                self.lp_pending.append((ev["token"], ev.get("logprobs")))
         if not self.decodes:
             self.text += ev["text"]
-            return self._send(final=False)
+            return self._send(final=False) + self._echo_alone()
         _, self.text, hit_id = self.answer_text(self.tokens, "")
         out = self._send(final=hit_id)
         self.stopped = self.stopped or hit_id
-        return out
+        return out + self._echo_alone()
+
+    def _echo_alone(self) -> bytes:
+        """An echoed prompt still unsent (the first token's text is held back): it goes out now, alone."""
+        if not self.echo_out:
+            return b""
+        piece, self.echo_out = self.echo_out, ""
+        return self._chunk([self._piece(piece)])
 
     def _send(self, final: bool) -> bytes:
         """Send what is safe: never a stop string, nor (until the end) a tail that may begin one."""
@@ -553,10 +630,15 @@ class Shaper:
         if not visible.startswith(self.sent) or len(visible) == len(self.sent):
             return b""
         piece, self.sent = visible[len(self.sent):], visible
+        if self.echo_out:
+            piece, self.echo_out = self.echo_out + piece, ""
         return self._chunk([self._piece(piece)])
 
     def _done(self, g) -> bytes:
         out = []
+        self.final = g
+        if self.req.logprobs.echo_only:
+            return self._done_echo_only(g)
         if not self.tokens and not self.text:
             self.tokens = list(g.tokens)   # no token events came (an engine that does not stream tokens)
         tokens, text, hit_id = self.answer_text(g.tokens, g.text)
@@ -567,10 +649,25 @@ class Shaper:
         extra = {EXT: self.ext(g)} if self.extension else {}
         out.append(self._chunk([self._piece(None if self.chat else "", reason=self.finish_reason(tokens, hit))],
                                **extra))
-        if self.req.include_usage:
-            out.append(self._chunk([], usage=self.usage(g)))
-        out.append(DONE)
+        out.append(self._tail(g))
         return b"".join(out)
+
+    def _tail(self, g) -> bytes:
+        if not self.tail:
+            return b""
+        out = b""
+        if self.req.include_usage:
+            out = self._chunk([], usage=self.usage(g))
+        return out + DONE
+
+    def _done_echo_only(self, g) -> bytes:
+        """``echo`` with ``max_tokens=0``: one chunk, the prompt with its logprobs (as vLLM's)."""
+        tokens, _, hit_id = self.answer_text(g.tokens, g.text)
+        if self.lp is not None and self.req.logprobs.top is not None:
+            self.lp_pending = self._prompt_pairs(g)
+        extra = {EXT: self.ext(g)} if self.extension else {}
+        piece = self._piece(self.prompt_text, reason=self.finish_reason(tokens, hit_id))
+        return self._chunk([piece], **extra) + self._tail(g)
 
     def error(self, body: dict) -> bytes:
         """An error in the middle of a stream (the ``openai`` client raises it as an ``APIError``)."""

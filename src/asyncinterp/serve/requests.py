@@ -46,6 +46,8 @@ class GenerateResult:
     text: str
     emitted: list = field(default_factory=list)   # values the intervention emitted, in order
     cached_tokens: int | None = None   # prompt tokens the engine took from its prefix cache (vLLM; else None)
+    logprobs: list | None = None       # with the logprobs option: per token, {token id: log-prob} (vLLM's order)
+    prompt_logprobs: list | None = None   # with prompt_logprobs: per prompt token, None then {token id: log-prob}
 
 
 # --------------------------------------------------------------------------- time accounting
@@ -231,8 +233,12 @@ class Request:
         texts = [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
         self.stream_tokens(tokenizer, final=True)
         single = len(rows) == 1
+        lps = _logprobs(self.invoke, "logprobs") if self.gen.get("logprobs") is not None else None
         self.deliver(True, GenerateResult(value, rows[0] if single else rows, texts[0] if single else texts,
-                                          list(self.emitted), getattr(self.invoke, "cached_tokens", None)))
+                                          list(self.emitted), getattr(self.invoke, "cached_tokens", None),
+                                          None if lps is None else list(lps[:len(rows[0])]),
+                                          _logprobs(self.invoke, "prompt_logprobs")
+                                          if self.gen.get("prompt_logprobs") is not None else None))
 
     def stream_tokens(self, tokenizer, final=False) -> None:
         """A streaming request: send a ``token`` event for each token generated since the last call."""
@@ -243,7 +249,12 @@ class Request:
             i = self.streamed
             prev = tokenizer.decode(row[:i], skip_special_tokens=True)
             now = tokenizer.decode(row[:i + 1], skip_special_tokens=True)
-            self.event({"event": "token", "step": i, "token": row[i], "text": now[len(prev):]})
+            item = {"event": "token", "step": i, "token": row[i], "text": now[len(prev):]}
+            if self.gen.get("logprobs") is not None:
+                item["logprobs"] = _logprob_at(self.invoke, i)
+                if i == 0 and self.gen.get("prompt_logprobs") is not None:
+                    item["prompt_logprobs"] = _logprobs(self.invoke, "prompt_logprobs")
+            self.event(item)
             self.streamed += 1
 
     # loop side ---------------------------------------------------------------
@@ -260,6 +271,19 @@ class Request:
                 log.exception("on_cancel callback failed")
         if inv is not None:
             inv.cancel()
+
+
+def _logprobs(invoke, name):
+    """An invoke's ``logprobs``/``prompt_logprobs`` (both engines' invokes have them), or ``None``."""
+    try:
+        return getattr(invoke, name, None)
+    except Exception:  # noqa: BLE001 - an invoke whose run has gone: nothing to report
+        return None
+
+
+def _logprob_at(invoke, i):
+    at = getattr(invoke, "logprob_at", None)
+    return None if at is None else at(i)
 
 
 REQUESTS = "serve.requests"   # run.context key: invoke index -> the request it serves

@@ -134,11 +134,9 @@ def vllm_options(fields: dict) -> dict:
 def transformers_options(fields: dict, eos) -> dict:
     """Keywords of ``LanguageModel.generate`` (transformers' own options and logits processors) for ``fields``;
     ``eos``: the model's end-of-sequence ids (``stop_token_ids`` are added to them)."""
-    if fields.get("ignore_eos"):
-        raise _bad("ignore_eos is not supported on the transformers engine of this server: its batcher ends a "
-                   "request at the model's end-of-sequence token. Use min_tokens to keep it from ending early, "
-                   "or serve a vLLM engine (--engine vllm)", "ignore_eos")
     out = {}
+    if fields.get("ignore_eos"):
+        out["ignore_eos"] = True       # the generation run and the batcher's watch then end at max_tokens only
     for name in ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if name in fields:
             out[name] = fields[name]
@@ -149,5 +147,6 @@ def transformers_options(fields: dict, eos) -> dict:
         out["sequence_bias"] = [[[tid], bias] for tid, bias in sorted(fields["logit_bias"].items())]
     if "stop_token_ids" in fields:
         # the row ends at them as at an end-of-sequence token (min_new_tokens holds them back too, as in vLLM)
-        out["eos_token_id"] = list(dict.fromkeys([*eos, *fields["stop_token_ids"]]))
+        ends = fields["stop_token_ids"] if fields.get("ignore_eos") else [*eos, *fields["stop_token_ids"]]
+        out["eos_token_id"] = list(dict.fromkeys(ends))
     return out

@@ -12,7 +12,9 @@ its prompt alone would produce. A generation also
   and ``m.tokens`` tap points (see :mod:`.taps`);
 * records the sequences after every step, so a stopped generation still
   returns what it produced;
-* takes options beside transformers' own: ``stop`` (strings: a row ends
+* takes options beside transformers' own: ``logprobs``/``prompt_logprobs`` (raw
+  log-probabilities as vLLM reports them, see :mod:`.logprobs`), ``ignore_eos``
+  (vLLM's: the end-of-sequence token does not end a row), ``stop`` (strings: a row ends
   at the step whose token completes one of them, as in vLLM), ``seed``
   (sampling draws from a generator seeded for this run only) and
   ``presence_penalty``/``frequency_penalty`` (vLLM's rule over the generated
@@ -31,6 +33,7 @@ from ...hooks.batching import forward_kwargs
 from ...run import Run
 from ..generating import Generated, GeneratedInvoke, check_stop, eos_ids, stop_hit
 from .inputs import build_batch, check_length, pad_id_of
+from .logprobs import LogprobRecorder, check_count
 from .padding import PaddedLayout
 from .penalties import OutputPenalties
 from .taps import logits_processor, rank_of, stopping_criteria
@@ -129,6 +132,31 @@ class Generation(GeneratedInvoke):
     def generated_so_far(self) -> Generated:
         return self.run.generated(self.index)
 
+    @property
+    def logprobs(self):
+        """With the ``logprobs=k`` option: per generated token (of this invoke's first prompt), ``{token id:
+        log-prob}`` of the chosen token then the ``k`` most likely (raw model log-probabilities, as vLLM's
+        ``SamplingParams(logprobs=k)``); ``None`` without the option."""
+        return self.run.logprobs_of(self.index, len(self.generated_so_far_tokens()))
+
+    @property
+    def prompt_logprobs(self):
+        """With ``prompt_logprobs=k``: per prompt token, ``None`` for the first, then ``{token id: log-prob}``
+        of that token then the ``k`` most likely (as vLLM's ``SamplingParams(prompt_logprobs=k)``)."""
+        return self.run.prompt_logprobs_of(self.index)
+
+    def logprob_at(self, i):
+        """The logprobs entry of generated token ``i`` (``None`` if not recorded)."""
+        rec = self.run.recorder
+        if rec is None or rec.top is None or i >= len(rec.steps):
+            return None
+        span = self.run.batch.spans[self.index]
+        return rec.steps[i][span[0] if span is not None else 0]
+
+    def generated_so_far_tokens(self):
+        tokens = self.generated_so_far().tokens
+        return tokens[0] if isinstance(tokens, list) else tokens
+
 
 class GenerateRun(LMRun):
     """The kernel's host for a generation (``model.generate``): one kernel step per forward pass."""
@@ -141,6 +169,7 @@ class GenerateRun(LMRun):
         self._sequences = None
         self._eos = ()
         self._stops = ()
+        self.recorder = None     # LogprobRecorder with the logprobs / prompt_logprobs options
 
     # ---------------------------------------------------------------- results
     def sequences_so_far(self) -> torch.Tensor:
@@ -183,6 +212,21 @@ class GenerateRun(LMRun):
 
     def _record(self, input_ids):
         self._sequences = input_ids
+        if self.recorder is not None:
+            self.recorder.on_tokens(input_ids)
+
+    def logprobs_of(self, group, count):
+        """Invoke ``group``'s generated-token logprobs (its first row), through ``count`` tokens."""
+        if self.recorder is None or self.batch is None:
+            return None
+        span = self.batch.spans[group]
+        return self.recorder.generated(span[0] if span is not None else 0, count)
+
+    def prompt_logprobs_of(self, group):
+        if self.recorder is None or self.batch is None:
+            return None
+        span = self.batch.spans[group]
+        return self.recorder.prompt_of(span[0] if span is not None else 0)
 
     # ---------------------------------------------------------------- forward
     def _on_step(self, step, args, kwargs):
@@ -208,6 +252,16 @@ class GenerateRun(LMRun):
         seed = kw.pop("seed", None)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int, got {seed!r}")
+        top = check_count("logprobs", kw.pop("logprobs", None))
+        prompt_top = check_count("prompt_logprobs", kw.pop("prompt_logprobs", None))
+        recorder = None
+        if top is not None or prompt_top is not None:
+            lengths = [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
+            recorder = self.recorder = LogprobRecorder(top, prompt_top, batch.input_ids, lengths)
+            kw.update(recorder.generate_kwargs(module))
+        if kw.pop("ignore_eos", False):
+            # vLLM's ignore_eos: the end-of-sequence token does not end a row (stop_token_ids still do)
+            kw["eos_token_id"] = kw.get("eos_token_id") or None
         kw.setdefault("do_sample", False)
         kw.setdefault("pad_token_id", pad_id_of(lm.tokenizer))
         self._eos = eos_ids(kw["eos_token_id"] if "eos_token_id" in kw else module)
@@ -225,9 +279,14 @@ class GenerateRun(LMRun):
 
         def forward():
             self.track_steps(module, on_step=self._on_step)
-            with _seeded(seed, batch.input_ids.device):
-                return module.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                       logits_processor=processors, stopping_criteria=criteria, **kw)
+            handle = None if recorder is None else module.register_forward_hook(recorder.hook)
+            try:
+                with _seeded(seed, batch.input_ids.device):
+                    return module.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                           logits_processor=processors, stopping_criteria=criteria, **kw)
+            finally:
+                if handle is not None:
+                    handle.remove()
         return forward
 
 

@@ -250,6 +250,7 @@ class LiveJob:
             if inv.cached_tokens is None:
                 inv.cached_tokens = getattr(out, "num_cached_tokens", None)
             if not halted and inv.index not in ended:
+                inv.add_prompt_logprobs(getattr(out, "prompt_logprobs", None))
                 for c in out.outputs[:1]:
                     inv.add_output(c, out.finished)
                 if listener is not None:

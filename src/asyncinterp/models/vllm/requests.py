@@ -45,6 +45,7 @@ class VLLMInvoke(GeneratedInvoke):
         self.text_pieces = []        # vLLM's detokenized text, one piece per engine step
         self.finish_reason = None
         self.logprobs = []           # with logprobs=k: per generated token, {token id: log-probability}
+        self.prompt_logprobs = None  # with prompt_logprobs=k: per prompt token, None then {token id: log-prob}
         self.cached_tokens = None    # prompt tokens vLLM took from its prefix cache (0 for intervened requests)
         self.outcomes = ()           # one Outcome per intervention, once the job is done
 
@@ -57,6 +58,16 @@ class VLLMInvoke(GeneratedInvoke):
                                  for entry in completion.logprobs)
         if finished:
             self.finish_reason = completion.finish_reason
+
+    def logprob_at(self, i):
+        """The logprobs entry of generated token ``i`` (``None`` if not there)."""
+        return self.logprobs[i] if i < len(self.logprobs) else None
+
+    def add_prompt_logprobs(self, entries) -> None:
+        """Record a request's prompt logprobs (vLLM sends them once, when its prompt has been computed)."""
+        if entries and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None if e is None else {int(t): float(lp.logprob) for t, lp in e.items()}
+                                    for e in entries]
 
     def value(self):
         """The interventions' result from their outcomes (see :meth:`Invoke.value`; ``None`` without any)."""
@@ -113,6 +124,9 @@ def sampling_kwargs(kw: dict, max_new_tokens) -> dict:
         kw["max_tokens"] = n
     if kw["max_tokens"] is not None and (not isinstance(kw["max_tokens"], int) or kw["max_tokens"] < 1):
         raise ValueError(f"max_new_tokens must be a positive int, got {kw['max_tokens']!r}")
+    if isinstance(kw.get("structured_outputs"), Mapping):      # vLLM's keywords, e.g. {"json": schema}
+        from vllm.sampling_params import StructuredOutputsParams
+        kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
     do_sample = kw.pop("do_sample", None)
     if do_sample is False:
         kw["temperature"] = 0.0
