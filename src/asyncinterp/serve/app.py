@@ -56,7 +56,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import errors, openai_compat, tokenize_api, wire
+from . import errors, model_names, openai_compat, receipts, tokenize_api, wire
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
 from .metrics import ServerMetrics
@@ -172,6 +172,9 @@ class Server:
                                           exact=exact, name=f"serve-{self.name}")
         self.metrics = ServerMetrics(self.batcher, vllm=self.front.kind == "vllm")   # this server's own registry
         self.interventions: dict[str, Registered] = {}
+        self.names = model_names.ModelNames(self.name)      # served model names: edits, adapters
+        self.receipts = receipts.Receipts(getattr(model, "module", model), self.front.kind, self.name,
+                                          self.interventions)
         self.programs = ProgramCache()
         self._app = None
         self.started = int(time.time())
@@ -193,6 +196,12 @@ class Server:
 
     def add_intervention(self, name: str, fn, doc: str | None = None) -> None:
         self.intervention(name, doc=doc)(fn)
+
+    def add_edit(self, name: str, fn=None, *, intervention: str | None = None, params: dict | None = None):
+        """Install a named edit, chosen by OpenAI requests as ``model="NAME:name"`` (see :mod:`.model_names`):
+        ``fn`` an ``async def fn(m)`` run once per forward pass, or a registered ``intervention`` with fixed
+        ``params``."""
+        return model_names.install_edit(self, name, fn, intervention=intervention, params=params)
 
     # ------------------------------------------------------------------ app
     @property
@@ -505,7 +514,9 @@ class Server:
             fn, on_cancel, label, meter = self._intervention(obj.get("intervention"), timeout)
             fields["intervention"] = label
             call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel, meter=meter)
-            return await self._respond(request, fields, call, lambda value: {"ok": True, "result": value})
+            receipt = self.receipts.make(self.name, None, obj.get("intervention"), None, ("trace", x))
+            return await self._respond(request, fields, call,
+                                       lambda value: {"ok": True, "result": value, "receipt": receipt})
         return await self._guarded(request, "trace", work)
 
     async def _generate(self, request):
@@ -527,6 +538,7 @@ class Server:
             fields["intervention"] = label
             fields["max_new_tokens"] = n
             fns = (fn,) if fn is not None else ()
+            receipt = self.receipts.make(self.name, None, obj.get("intervention"), None, ("generate", x, n))
             if stream:
                 try:
                     events = self.batcher.stream_generate(x, *fns, max_new_tokens=n, timeout=timeout,
@@ -534,13 +546,14 @@ class Server:
                 except BatcherFull as exc:
                     raise errors.failure(exc) from None
                 fields["stream"] = True
-                return StreamingResponse(self._stream(events), media_type=MSGPACK_STREAM)
+                return StreamingResponse(self._stream(events, functools.partial(_msgpack_event, receipt=receipt)),
+                                         media_type=MSGPACK_STREAM)
             call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
                                      on_cancel=on_cancel, meter=meter)
 
             def answer(g):
                 return {"ok": True, "result": g.result, "tokens": g.tokens, "text": g.text,
-                        "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted]}
+                        "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted], "receipt": receipt}
             return await self._respond(request, fields, call, answer)
         return await self._guarded(request, "generate", work)
 
@@ -577,7 +590,7 @@ class Server:
 
     async def _models(self, request):
         async def work(fields):
-            return JSONResponse(openai_compat.models_list(self.name, self.started))
+            return JSONResponse(model_names.models_list(self.names, self.started))
         return await self._guarded(request, "models", work, _openai_error_response)
 
     # ------------------------------------------------------------------ vLLM's extra endpoints
@@ -631,6 +644,18 @@ class Server:
             return Response(self.metrics.render(), media_type=self.metrics.content_type)
         return await self._guarded(request, "metrics", work, _openai_error_response, count=False)
 
+    def _selection(self, name):
+        """The edits and adapter a request's ``model`` names (404 for an unknown name, listing the known ones)."""
+        try:
+            selection = self.names.resolve(name)
+        except LookupError as exc:
+            raise RequestFailed("not_found", str(exc), param="model") from None
+        if selection.adapter is not None:
+            raise RequestFailed("request", f"the model {name!r} names the LoRA adapter {selection.adapter.name!r}, "
+                                           f"but this server's {self.front.kind} engine cannot apply adapters per "
+                                           "request yet; use the base model's name", param="model")
+        return selection
+
     async def _openai(self, request, kind, fields):
         """One OpenAI request: its shapes come from :mod:`.openai_compat`; input, intervention, limits, batching
         and errors go through the same methods as ``/v1/generate``."""
@@ -640,9 +665,7 @@ class Server:
             req = openai_compat.parse_request(kind, openai_compat.decode_body(await self._read_body(request)),
                                               self.interventions, self.front.vocab_size())
             engine_options = self.front.sampling_options(req.fields)   # refuses what this engine cannot honour
-            if req.model != self.name:
-                raise RequestFailed("not_found", f"the model {req.model!r} does not exist here; this server serves "
-                                            f"{self.name!r} (GET /v1/models)", param="model")
+            selection = self._selection(req.model)
             prompt = req.prompt if req.messages is None else openai_compat.chat_prompt(self.model.tokenizer,
                                                                                       req.messages)
         except BadRequest as exc:
@@ -664,12 +687,16 @@ class Server:
             fail.param = openai_compat.EXT
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
-        fns = (fn,) if fn is not None else ()
-        x = self.front.generation_input(x, req.cache_salt)
-        shaper = openai_compat.Shaper(req, n, length, self.front.eos_ids(), fn is not None,
-                                      self.prompt_tokens_details, self.model.tokenizer)
-        options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
-                       **{**req.generate, **engine_options})
+        # the model name's edits run first in the request's invoke; alone, they share a prefix-cache scope
+        fns = selection.fns + ((fn,) if fn is not None else ())
+        x = self.front.generation_input(x, req.cache_salt, selection.scope if fn is None else None)
+        generation = {**req.generate, **engine_options}
+        receipt = self.receipts.make(req.model, selection, req.intervention, req.generate.get("seed"),
+                                     (req.kind, prompt, n, generation, req.fields, req.stop))
+        shaper = receipts.ReceiptShaper(req, n, length, self.front.eos_ids(), fn is not None,
+                                        self.prompt_tokens_details, self.model.tokenizer, receipt=receipt,
+                                        n_edits=len(selection.edits))
+        options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter, **generation)
         if req.stream:
             try:
                 events = self.batcher.stream_generate(x, *fns, **options)
@@ -692,10 +719,10 @@ class Server:
         return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
 
 
-def _msgpack_event(ev) -> bytes:
+def _msgpack_event(ev, receipt=None) -> bytes:
     if ev["event"] == "done":
         g = ev["result"]
-        ev = {"event": "done", "ok": True, "result": g.result, "tokens": g.tokens, "text": g.text}
+        ev = {"event": "done", "ok": True, "result": g.result, "tokens": g.tokens, "text": g.text, "receipt": receipt}
     return wire.packb(ev)
 
 
