@@ -17,7 +17,12 @@ greedy, ``max_tokens`` new tokens each). Cases:
                         every step and returns one float per step (``read_norm``, registered
                         from benchmarks/serving_vllm_interventions.py);
 * ``ai read/step, full vectors`` -- the built-in ``read``: the same read, returning the whole
-                        576-wide vector of every step (18,432 floats of JSON per request).
+                        576-wide vector of every step (18,432 floats of JSON per request);
+* ``ai named edit``  -- the same server, every request naming ``model:calm`` (a named edit
+                        installed with ``--edit calm=benchmarks/serving_vllm_interventions.py:calm``,
+                        which scales one layer's residual stream every forward pass), no extension field.
+
+``--cases`` runs a subset (vLLM's server always runs: it is the reference).
 
 Reported per case: requests/s, tokens/s, time to first token p50/p95,
 latency p50/p95; and the *short-behind-long probe*: a streaming request of
@@ -125,7 +130,8 @@ def ai_server(model_dir, args, port, log_path):
            "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_bytes),
            "--port", str(port), "--timeout", "600",
            "--max-queue", "1024", "--log-level", "warning",
-           "--interventions", os.path.join(HERE, "serving_vllm_interventions.py")]
+           "--interventions", os.path.join(HERE, "serving_vllm_interventions.py"),
+           "--edit", f"calm={os.path.join(HERE, 'serving_vllm_interventions.py')}:calm"]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     return Server("asyncinterp", cmd, port, "/v1/health", env=env, log_path=log_path)
 
@@ -197,7 +203,7 @@ async def probe(port, args, extra=None):
     async with httpx.AsyncClient(timeout=600) as client:
         await one_request(client, url, PROMPTS[1], 4, extra)
         body = {"model": "model", "prompt": PROMPTS[4], "max_tokens": args.long_tokens, "temperature": 0.0,
-                "stream": True}
+                "stream": True}     # (extra may name another model: a named edit)
         if extra:
             body.update(extra)
         started = asyncio.Event()
@@ -238,6 +244,8 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="KV cache size, both servers (default 1 GiB)")
     ap.add_argument("--layer", default="model.layers.15", help="module the per-step read intervention reads")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated asyncinterp cases to run (default: all): plain, read, read_all, edit")
     ap.add_argument("--out", default=None, help="write benchmarks/results/serving_vllm-OUT.{json,md}")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -248,6 +256,10 @@ def main():
         model_dir = str(smollm2_dir())
     read = {"asyncinterp": {"intervention": "read_norm", "params": {"module": args.layer}}}
     read_all = {"asyncinterp": {"intervention": "read", "params": {"module": args.layer, "position": -1}}}
+    edit = {"model": "model:calm"}        # a named edit, chosen by the model name alone
+    ai_cases = {"plain": ("ai plain", None), "read": ("ai read/step", read),
+                "read_all": ("ai read/step, full vectors", read_all), "edit": ("ai named edit", edit)}
+    chosen = [ai_cases[c.strip()] for c in args.cases.split(",")] if args.cases else list(ai_cases.values())
     logdir = os.path.join(HERE, "results", "logs")
     os.makedirs(logdir, exist_ok=True)
     rows = {}
@@ -255,8 +267,7 @@ def main():
             "max_tokens": args.max_tokens, "python": platform.python_version(), "cpus": os.cpu_count(),
             "date": _dt.datetime.now().isoformat(timespec="seconds")}
     for name, make, cases in (("vllm", vllm_server, [("vllm", None)]),
-                              ("asyncinterp", ai_server, [("ai plain", None), ("ai read/step", read),
-                                                               ("ai read/step, full vectors", read_all)])):
+                              ("asyncinterp", ai_server, chosen)):
         port = free_port()
         server = make(model_dir, args, port, os.path.join(logdir, f"serving_vllm-{name}.log"))
         try:

@@ -598,7 +598,10 @@ class Server:
         """A JSON body of vLLM's extra endpoints, or the request's 400/404 as an OpenAI error."""
         try:
             obj = openai_compat.decode_body(body)
-            tokenize_api.check_model(obj, self.name)
+            if isinstance(obj.get("model"), str):
+                self.names.resolve(obj["model"])      # the model or a name of its edits (tokenized alike)
+            else:
+                tokenize_api.check_model(obj, self.name)
         except BadRequest as exc:
             raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
         except LookupError as exc:
