@@ -241,3 +241,31 @@ def test_edit_options_parse_and_refuse_clearly(model, edits_file):
     width = model.config.n_embd
     install_from_options(server, [f"s=steer:module=transformer.h.0,vector={[0.5] * width},strength=2"])
     assert server.names.edits["s"].origin.startswith("steer:module=transformer.h.0")
+
+
+def test_the_cli_installs_edits_and_names_them(model, fns, edits_file):
+    """``asyncinterp serve tiny-gpt2 --edit up=edits.py:up --edit s=steer:...``, a real subprocess."""
+    import os
+    import subprocess
+    import sys
+    from serve_helpers import stop_server, wait_healthy
+    from test_serve_http import free_port
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    vector = [0.5] * model.config.n_embd
+    proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.serve.cli", "tiny-gpt2", "--port", str(port),
+                             "--threads", "1", "--edit", f"up={edits_file}:up",
+                             "--edit", f"s=steer:module=transformer.h.0,vector={vector},strength=2"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout=120)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60) as c:
+            assert [m.id for m in c.models.list().data] == ["tiny-gpt2", "tiny-gpt2:up", "tiny-gpt2:s"]
+            got = c.completions.create(model="tiny-gpt2:up", prompt=PROMPT, max_tokens=N, temperature=0)
+            assert got.choices[0].text == model.edit(fns["up"]).generate(PROMPT, max_new_tokens=N).text
+            assert ext(got)["receipt"]["weights"] == weights_hash(model.module)    # the same tiny weights
+    finally:
+        _, records = stop_server(proc)
+    started = [r for r in records if r.get("event") == "startup" and r.get("msg") == "serving"]
+    assert started and started[0]["models"] == ["tiny-gpt2", "tiny-gpt2:up", "tiny-gpt2:s"]
