@@ -198,3 +198,31 @@ def test_unknown_names_and_lora_adapters_on_vllm(served, oai_a, tmp_path):
     for name in ("mylora", "mylora:shift"):
         with pytest.raises(openai.BadRequestError, match="cannot apply adapters per request yet"):
             oai_a.completions.create(model=name, prompt="hi", max_tokens=2)
+
+
+def test_cache_scope_in_process(vm):
+    """``ai.VLLM`` directly: an input's ``cache_scope`` shares blocks within the scope, with interventions."""
+    ids = list(vm.tokenizer(prompt("Zeta"))["input_ids"])
+
+    async def whole_run_shift(m):
+        async for _ in m.steps():
+            await shift(m)
+
+    def run(scope=None, salt=None):
+        x = {"prompt_token_ids": ids}
+        if scope is not None:
+            x["cache_scope"] = scope
+        if salt is not None:
+            x["cache_salt"] = salt
+        return vm.generate(x, whole_run_shift, max_new_tokens=2)
+
+    first = run("s1")
+    again = run("s1")
+    assert first.cached_tokens == 0 and again.cached_tokens >= 2 * BLOCK
+    assert again.text == first.text == vm.edit(shift).generate({"prompt_token_ids": ids}, max_new_tokens=2).text
+    assert run("s2").cached_tokens == 0                    # another scope
+    assert run().cached_tokens == 0                        # no scope: an intervened request's own blocks
+    assert run("s1", salt="x").cached_tokens == 0          # a salt splits the scope
+    assert vm.generate({"prompt_token_ids": ids, "cache_salt": "s1"}, max_new_tokens=2).cached_tokens == 0
+    with pytest.raises(ValueError, match="cache_scope must be a non-empty string"):
+        vm.generate({"prompt_token_ids": ids, "cache_scope": ""}, max_new_tokens=1)
