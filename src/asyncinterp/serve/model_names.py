@@ -42,6 +42,7 @@ Edit and adapter names are 1-64 letters, digits, ``_``, ``-`` or ``.``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -162,8 +163,11 @@ def _files_hash(path: str) -> str:
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
     for f in files:
+        h = hashlib.sha256()
         with open(f, "rb") as fh:
-            parts.append([os.path.relpath(f, path) if f != path else "", content_hash(fh.read().hex())])
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        parts.append([os.path.relpath(f, path) if f != path else "", h.hexdigest()])
     return content_hash(parts)
 
 
