@@ -241,6 +241,13 @@ def test_edit_options_parse_and_refuse_clearly(model, edits_file):
     width = model.config.n_embd
     install_from_options(server, [f"s=steer:module=transformer.h.0,vector={[0.5] * width},strength=2"])
     assert server.names.edits["s"].origin.startswith("steer:module=transformer.h.0")
+    from asyncinterp.serve.supervisor import ProcessIsolation
+    isolated = Server(model, name=NAME, isolation=ProcessIsolation())
+    try:
+        with pytest.raises(ValueError, match="not available with process isolation"):
+            isolated.add_edit("up", load_edit_function(edits_file, "up"))
+    finally:
+        isolated.batcher.close()
 
 
 def test_the_cli_installs_edits_and_names_them(model, fns, edits_file):
