@@ -21,6 +21,11 @@ greedy, ``max_tokens`` new tokens each). Cases:
 * ``vllm logprobs=5`` / ``ai logprobs=5`` -- plain requests asking ``logprobs: 5`` (each
                         streamed token with its 5 most likely alternatives), on each server;
                         the ``ai`` case is compared with vLLM's server's ``logprobs=5`` case.
+* ``ai named edit``  -- the same server, every request naming ``model:calm`` (a named edit
+                        installed with ``--edit calm=benchmarks/serving_vllm_interventions.py:calm``,
+                        which scales one layer's residual stream every forward pass), no extension field.
+
+``--cases`` runs a subset by case name (vLLM's server runs only when one of its cases is chosen).
 
 Reported per case: requests/s, tokens/s, time to first token p50/p95,
 latency p50/p95; and the *short-behind-long probe*: a streaming request of
@@ -129,7 +134,8 @@ def ai_server(model_dir, args, port, log_path):
            "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_bytes),
            "--port", str(port), "--timeout", "600",
            "--max-queue", "1024", "--log-level", "warning",
-           "--interventions", os.path.join(HERE, "serving_vllm_interventions.py")]
+           "--interventions", os.path.join(HERE, "serving_vllm_interventions.py"),
+           "--edit", f"calm={os.path.join(HERE, 'serving_vllm_interventions.py')}:calm"]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
     return Server("asyncinterp", cmd, port, "/v1/health", env=env, log_path=log_path)
 
@@ -201,7 +207,7 @@ async def probe(port, args, extra=None):
     async with httpx.AsyncClient(timeout=600) as client:
         await one_request(client, url, PROMPTS[1], 4, extra)
         body = {"model": "model", "prompt": PROMPTS[4], "max_tokens": args.long_tokens, "temperature": 0.0,
-                "stream": True}
+                "stream": True}     # (extra may name another model: a named edit)
         if extra:
             body.update(extra)
         started = asyncio.Event()
@@ -243,7 +249,7 @@ def main():
     ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="KV cache size, both servers (default 1 GiB)")
     ap.add_argument("--layer", default="model.layers.15", help="module the per-step read intervention reads")
     ap.add_argument("--cases", default=None,
-                    help="comma-separated case names to run (default: all), e.g. 'vllm,vllm logprobs=5,ai logprobs=5'")
+                    help="comma-separated case names to run (default: all), e.g. 'vllm,ai plain,ai named edit'")
     ap.add_argument("--out", default=None, help="write benchmarks/results/serving_vllm-OUT.{json,md}")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -255,6 +261,7 @@ def main():
     read = {"asyncinterp": {"intervention": "read_norm", "params": {"module": args.layer}}}
     read_all = {"asyncinterp": {"intervention": "read", "params": {"module": args.layer, "position": -1}}}
     logprobs = {"logprobs": 5}
+    edit = {"model": "model:calm"}        # a named edit, chosen by the model name alone
     logdir = os.path.join(HERE, "results", "logs")
     os.makedirs(logdir, exist_ok=True)
     rows = {}
@@ -264,7 +271,8 @@ def main():
     for name, make, cases in (("vllm", vllm_server, [("vllm", None), ("vllm logprobs=5", logprobs)]),
                               ("asyncinterp", ai_server, [("ai plain", None), ("ai read/step", read),
                                                                ("ai read/step, full vectors", read_all),
-                                                               ("ai logprobs=5", logprobs)])):
+                                                               ("ai logprobs=5", logprobs),
+                                                               ("ai named edit", edit)])):
         if args.cases is not None:
             wanted = {c.strip() for c in args.cases.split(",")}
             cases = [(case, extra) for case, extra in cases if case in wanted]

@@ -35,6 +35,9 @@ def test_serving_doc_session(model):
             # like IPython cells: registered in linecache, so inspect.getsource finds client functions
             linecache.cache[name] = (len(block), None, block.splitlines(True), name)
             exec(compile(block, name, "exec"), ns)  # noqa: S102 - our docs
+            for edit in ("calm", "honest"):    # the page's edits.py, installed as `--edit NAME=edits.py:NAME` does
+                if edit in ns and edit not in live.server.names.edits:
+                    live.server.add_edit(edit, ns[edit])
         # the registration block defines register(server); the batching block defines main(model)
         server = Server(model)
         ns["register"](server)

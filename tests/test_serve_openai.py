@@ -157,7 +157,7 @@ def test_completion_equals_local_greedy_generate(client, model, prompt):
     assert resp.choices[0].finish_reason == "length"
     n_prompt = len(model.tokenizer(prompt)["input_ids"])
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
-    assert ext(resp) is None                            # no intervention, no extension field
+    assert list(ext(resp)) == ["receipt"]               # no intervention: only the receipt
 
 
 def test_token_id_prompt_and_one_element_lists(client, model):

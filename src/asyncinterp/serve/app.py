@@ -60,7 +60,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import choices, confine, errors, jobs_api, openai_compat, sessions, structured, tokenize_api, wire
+from . import choices, confine, errors, jobs_api, model_names, openai_compat, receipts, sessions, structured
+from . import tokenize_api, wire
 from . import logprobs as logprob_fields
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
@@ -178,6 +179,9 @@ class Server:
                                           exact=exact, name=f"serve-{self.name}")
         self.metrics = ServerMetrics(self.batcher, vllm=self.front.kind == "vllm")   # this server's own registry
         self.interventions: dict[str, Registered] = {}
+        self.names = model_names.ModelNames(self.name)      # served model names: edits, adapters
+        self.receipts = receipts.Receipts(getattr(model, "module", model), self.front.kind, self.name,
+                                          self.interventions)
         self.programs = ProgramCache()
         self.confinement = confine.at_start(self)     # whether submitted code runs confined (said at start)
         self._app = None
@@ -200,6 +204,12 @@ class Server:
 
     def add_intervention(self, name: str, fn, doc: str | None = None) -> None:
         self.intervention(name, doc=doc)(fn)
+
+    def add_edit(self, name: str, fn=None, *, intervention: str | None = None, params: dict | None = None):
+        """Install a named edit, chosen by OpenAI requests as ``model="NAME:name"`` (see :mod:`.model_names`):
+        ``fn`` an ``async def fn(m)`` run once per forward pass, or a registered ``intervention`` with fixed
+        ``params``."""
+        return model_names.install_edit(self, name, fn, intervention=intervention, params=params)
 
     # ------------------------------------------------------------------ app
     @property
@@ -515,7 +525,9 @@ class Server:
             fn, on_cancel, label, meter = self._intervention(obj.get("intervention"), timeout)
             fields["intervention"] = label
             call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel, meter=meter)
-            return await self._respond(request, fields, call, lambda value: {"ok": True, "result": value})
+            receipt = self.receipts.make(self.name, None, obj.get("intervention"), None, ("trace", x))
+            return await self._respond(request, fields, call,
+                                       lambda value: {"ok": True, "result": value, "receipt": receipt})
         return await self._guarded(request, "trace", work)
 
     async def _generate(self, request):
@@ -537,6 +549,7 @@ class Server:
             fields["intervention"] = label
             fields["max_new_tokens"] = n
             fns = (fn,) if fn is not None else ()
+            receipt = self.receipts.make(self.name, None, obj.get("intervention"), None, ("generate", x, n))
             if stream:
                 try:
                     events = self.batcher.stream_generate(x, *fns, max_new_tokens=n, timeout=timeout,
@@ -544,13 +557,14 @@ class Server:
                 except BatcherFull as exc:
                     raise errors.failure(exc) from None
                 fields["stream"] = True
-                return StreamingResponse(self._stream(events), media_type=MSGPACK_STREAM)
+                return StreamingResponse(self._stream(events, functools.partial(_msgpack_event, receipt=receipt)),
+                                         media_type=MSGPACK_STREAM)
             call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
                                      on_cancel=on_cancel, meter=meter)
 
             def answer(g):
                 return {"ok": True, "result": g.result, "tokens": g.tokens, "text": g.text,
-                        "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted]}
+                        "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted], "receipt": receipt}
             return await self._respond(request, fields, call, answer)
         return await self._guarded(request, "generate", work)
 
@@ -587,7 +601,7 @@ class Server:
 
     async def _models(self, request):
         async def work(fields):
-            return JSONResponse(openai_compat.models_list(self.name, self.started))
+            return JSONResponse(model_names.models_list(self.names, self.started))
         return await self._guarded(request, "models", work, _openai_error_response)
 
     # ------------------------------------------------------------------ vLLM's extra endpoints
@@ -595,7 +609,10 @@ class Server:
         """A JSON body of vLLM's extra endpoints, or the request's 400/404 as an OpenAI error."""
         try:
             obj = openai_compat.decode_body(body)
-            tokenize_api.check_model(obj, self.name)
+            if isinstance(obj.get("model"), str):
+                self.names.resolve(obj["model"])      # the model or a name of its edits (tokenized alike)
+            else:
+                tokenize_api.check_model(obj, self.name)
         except BadRequest as exc:
             raise RequestFailed("request", str(exc), param=getattr(exc, "param", None)) from None
         except LookupError as exc:
@@ -641,6 +658,18 @@ class Server:
             return Response(self.metrics.render(), media_type=self.metrics.content_type)
         return await self._guarded(request, "metrics", work, _openai_error_response, count=False)
 
+    def _selection(self, name):
+        """The edits and adapter a request's ``model`` names (404 for an unknown name, listing the known ones)."""
+        try:
+            selection = self.names.resolve(name)
+        except LookupError as exc:
+            raise RequestFailed("not_found", str(exc), param="model") from None
+        if selection.adapter is not None:
+            raise RequestFailed("request", f"the model {name!r} names the LoRA adapter {selection.adapter.name!r}, "
+                                           f"but this server's {self.front.kind} engine cannot apply adapters per "
+                                           "request yet; use the base model's name", param="model")
+        return selection
+
     async def _openai(self, request, kind, fields):
         """One OpenAI request: its shapes come from :mod:`.openai_compat`; input, intervention, limits, batching
         and errors go through the same methods as ``/v1/generate``."""
@@ -653,9 +682,7 @@ class Server:
             logprob_fields.check_engine(req.logprobs, self.supervised)
             engine_options.update(logprob_fields.engine_options(req.logprobs))
             engine_options.update(structured.engine_options(req.structured, self.front.kind))
-            if req.model != self.name:
-                raise RequestFailed("not_found", f"the model {req.model!r} does not exist here; this server serves "
-                                            f"{self.name!r} (GET /v1/models)", param="model")
+            selection = self._selection(req.model)
             prompts = req.prompts if req.messages is None else [
                 openai_compat.chat_prompt(self.model.tokenizer, req.messages)]
         except BadRequest as exc:
@@ -680,13 +707,20 @@ class Server:
             fail.param = openai_compat.EXT
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
-        fns = (fn,) if fn is not None else ()
+        # the model name's edits run first in the request's invoke; alone, they share a prefix-cache scope
+        fns = selection.fns + ((fn,) if fn is not None else ())
+        scope = selection.scope if fn is None else None
+
+        def make_shaper(prompt, n, length, generate):
+            receipt = self.receipts.make(req.model, selection, req.intervention, generate.get("seed"),
+                                         (req.kind, prompt, n, {**generate, **engine_options}, req.fields, req.stop))
+            return choices.shaper(self, req, prompt, n, length, fn is not None, receipt, len(selection.edits))
         if len(inputs) > 1 or req.n > 1:
-            return await choices.respond(self, request, fields, req, inputs, fns,
+            return await choices.respond(self, request, fields, req, inputs, fns, make_shaper, scope,
                                          dict(timeout=timeout, on_cancel=on_cancel, meter=meter, **engine_options))
         prompt, x, length, n = inputs[0]
-        x = self.front.generation_input(x, req.cache_salt)
-        shaper = choices.shaper(self, req, prompt, n, length, fn is not None)
+        x = self.front.generation_input(x, req.cache_salt, scope)
+        shaper = make_shaper(prompt, n, length, req.generate)
         options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
                        **{**req.generate, **engine_options})
         if req.stream:
@@ -715,10 +749,10 @@ class Server:
     check_input, check_new_tokens, guarded, respond, stream_events = _input, _check_new_tokens, _guarded, _respond, _stream
 
 
-def _msgpack_event(ev) -> bytes:
+def _msgpack_event(ev, receipt=None) -> bytes:
     if ev["event"] == "done":
         g = ev["result"]
-        ev = {"event": "done", "ok": True, "result": g.result, "tokens": g.tokens, "text": g.text}
+        ev = {"event": "done", "ok": True, "result": g.result, "tokens": g.tokens, "text": g.text, "receipt": receipt}
     return wire.packb(ev)
 
 

@@ -22,33 +22,38 @@ import functools
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from . import errors, openai_compat
+from . import errors, openai_compat, receipts
 from .batcher import BatcherFull
 from .openai_compat import DONE, EXT
 
 __all__ = ["drain", "respond", "response", "seed_for", "shaper", "stream"]
 
 
-def shaper(server, req, prompt, n, length, extension):
+def shaper(server, req, prompt, n, length, extension, receipt=None, n_edits=0):
     """The :class:`~.openai_compat.Shaper` of one choice of ``server``'s answer to ``req`` (``prompt``: its prompt,
-    ``n``: its token limit, ``length``: the prompt's tokens; ``extension``: the request has an intervention)."""
+    ``n``: its token limit, ``length``: the prompt's tokens; ``extension``: the request has an intervention);
+    with a ``receipt``, a :class:`~.receipts.ReceiptShaper` (``n_edits``: the model name's edits ran first)."""
     tok = server.model.tokenizer
-    out = openai_compat.Shaper(req, n, length, server.front.eos_ids(), extension, server.prompt_tokens_details, tok)
+    args = (req, n, length, server.front.eos_ids(), extension, server.prompt_tokens_details, tok)
+    out = openai_compat.Shaper(*args) if receipt is None else \
+        receipts.ReceiptShaper(*args, receipt=receipt, n_edits=n_edits)
     if req.logprobs.echo:   # vLLM echoes a prompt's own text, or the text of its token ids
         out.prompt_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
         out.prompt_ids = list(tok(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
     return out
 
 
-async def respond(server, request, fields, req, inputs, fns, options):
+async def respond(server, request, fields, req, inputs, fns, make_shaper, scope, options):
     """``server``'s answer with several choices: ``inputs`` are the checked ``(prompt, input, length, max new
-    tokens)`` of each prompt, ``fns`` the intervention, ``options`` the generation keywords of every choice."""
+    tokens)`` of each prompt, ``fns`` the interventions (the model name's edits first), ``make_shaper(prompt, n,
+    length, generate)`` a choice's shaper, ``scope`` the prefix-cache scope of the model name's edits,
+    ``options`` the generation keywords of every choice."""
     shapers, streams = [], []
     try:
         for p, (prompt, x, length, n) in enumerate(inputs):
-            x = server.front.generation_input(x, req.cache_salt)
+            x = server.front.generation_input(x, req.cache_salt, scope)
             for sample in range(req.n):
-                sh = shaper(server, req, prompt, n, length, bool(fns))
+                sh = make_shaper(prompt, n, length, seed_for(req.generate, sample))
                 sh.index, sh.prompt_key = len(shapers), p
                 streams.append(server.batcher.stream_generate(x, *fns, max_new_tokens=n,
                                                               **{**seed_for(req.generate, sample), **options}))
@@ -59,7 +64,7 @@ async def respond(server, request, fields, req, inputs, fns, options):
         raise errors.failure(exc) from None
     fields["choices"] = len(shapers)
     if not req.stream:
-        return await server._respond(request, fields, functools.partial(drain, streams),
+        return await server.respond(request, fields, functools.partial(drain, streams),
                                      lambda results: JSONResponse(response(shapers, results)))
     fields["stream"] = True
     bodies = []
@@ -67,7 +72,7 @@ async def respond(server, request, fields, req, inputs, fns, options):
         def stream_error(fail, sh=sh):
             server.metrics.failed(fail.kind)     # the answer's status was 200; its failure still counts
             return sh.error(openai_compat.error_body(fail.status, fail.error, fail.param))
-        bodies.append(server._stream(events, sh.event, stream_error, end_on_error=True))
+        bodies.append(server.stream_events(events, sh.event, stream_error, end_on_error=True))
 
     async def body():
         async with contextlib.aclosing(stream(shapers, bodies)) as chunks:

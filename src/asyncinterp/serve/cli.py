@@ -12,7 +12,9 @@ weights) or a local transformers causal-LM directory. ``--engine vllm``
 serves the model with an in-process vLLM engine (``ai.VLLM``; MODEL is then
 ``smollm2`` or a model directory) behind the same endpoints, native and
 OpenAI-compatible. ``--interventions FILE`` loads a Python file that defines
-``register(server)`` (your trusted named interventions). API keys come from
+``register(server)`` (your trusted named interventions). ``--edit
+NAME=FILE.py:FUNCTION`` (or ``NAME=INTERVENTION:k=v,...``) installs a named
+edit that requests choose by model name (``MODEL:NAME``). API keys come from
 ``--api-key`` (repeatable) or the ``ASYNCINTERP_API_KEYS`` environment
 variable (comma separated).
 """
@@ -70,6 +72,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interventions", metavar="FILE", action="append", default=[],
                    help="Python file defining register(server) with your named interventions (repeatable)")
     p.add_argument("--no-builtins", action="store_true", help="do not register top_k/read/steer/ablate")
+    p.add_argument("--edit", action="append", default=[], metavar="NAME=SPEC",
+                   help="install a named edit, chosen by OpenAI requests as model='MODEL:NAME' (repeatable; "
+                        "'MODEL:a+b' combines): NAME=FILE.py:FUNCTION (an async def fn(m), run every forward "
+                        "pass) or NAME=INTERVENTION:k=v,... (a registered intervention with fixed parameters); "
+                        "see docs/serving.md")
+    p.add_argument("--lora-modules", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a LoRA adapter under the model name NAME (repeatable; listed by /v1/models; "
+                        "requests naming it are refused until the engine applies adapters per request)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests per forward pass (default 32)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a request waits for others to share its forward (default 5 ms)")
@@ -221,6 +231,8 @@ def _serve(args, model, keys, log) -> int:
                     isolation=isolation, prompt_tokens_details=args.enable_prompt_tokens_details)
     for path in args.interventions:
         load_interventions(server, path)
+    from .model_names import install_from_options
+    install_from_options(server, args.edit, args.lora_modules)   # after the interventions edits may name
     if server.supervised:   # fork the workers now: after the interventions are registered, before any request
         server.batcher.start()
     if not keys:
@@ -235,6 +247,8 @@ def _serve(args, model, keys, log) -> int:
     log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": server.front.kind,
                                           "host": args.host,
                                           "port": args.port, "interventions": sorted(server.interventions),
+                                          "models": [n for n, _ in server.names.listed()],
+                                          "weights": server.receipts.weights,
                                           "allow_code": args.allow_code,
                                           "isolation": "process" if server.supervised else "thread"}})
     userver.run()

@@ -43,6 +43,7 @@ class Generated:
     tokens: list
     text: str
     emitted: list = field(default_factory=list)
+    receipt: dict | None = None     # what computed it (the server's receipt, see asyncinterp.serve.receipts)
 
 
 def intervention_spec(intervention, params: dict | None = None) -> dict | None:
@@ -102,7 +103,8 @@ def _decode_response(status, content):
 
 
 def _generated(obj) -> Generated:
-    return Generated(obj.get("result"), obj.get("tokens"), obj.get("text"), obj.get("emitted") or [])
+    return Generated(obj.get("result"), obj.get("tokens"), obj.get("text"), obj.get("emitted") or [],
+                     obj.get("receipt"))
 
 
 def _event(obj):

@@ -70,9 +70,10 @@ class EngineFront:
         """End-of-sequence token ids (a generation that ends on one finished by itself)."""
         return eos_ids(self.model, getattr(self.model, "tokenizer", None))
 
-    def generation_input(self, prompt, cache_salt=None):
+    def generation_input(self, prompt, cache_salt=None, cache_scope=None):
         """What the batcher is handed for ``prompt`` (a string or token ids); ``cache_salt``: vLLM's prefix-cache
-        salt, which other engines have no use for (they share no cache between requests)."""
+        salt, ``cache_scope``: the prefix-cache scope of a named edit set (:mod:`.model_names`), which other
+        engines have no use for (they share no cache between requests)."""
         return prompt
 
     def fork_refusal(self) -> str | None:
@@ -99,13 +100,18 @@ class VLLMFront(EngineFront):
         # without a config, and the tokenizer's length is what is left
         return self._configured_vocab()
 
-    def generation_input(self, prompt, cache_salt=None):
+    def generation_input(self, prompt, cache_salt=None, cache_scope=None):
         # the engine's run salts a plain request's prefix cache with it; a request with an intervention gets a
-        # salt of its own instead (VLLMRun.cache_salt)
-        if cache_salt is None:
+        # salt of its own instead, unless it runs only a named edit set: then its scope's (VLLMRun.cache_salt)
+        if cache_salt is None and cache_scope is None:
             return prompt
         ids = prompt if isinstance(prompt, list) else list(self.model.tokenizer(prompt)["input_ids"])
-        return {"prompt_token_ids": ids, "cache_salt": cache_salt}
+        out = {"prompt_token_ids": ids}
+        if cache_salt is not None:
+            out["cache_salt"] = cache_salt
+        if cache_scope is not None:
+            out["cache_scope"] = cache_scope
+        return out
 
     def sampling_options(self, fields: dict) -> dict:
         # vLLM's own SamplingParams fields, per request

@@ -205,11 +205,19 @@ class LiveJob:
         outputs). A plain request shares the cache: with everybody (no salt), or, when its input is a
         mapping with a ``cache_salt`` (as vLLM's prompts take), with the requests that give the same salt.
         Those salts are namespaced (``user-...``) so that no input can name one of ours (``asyncinterp-...``).
+
+        An input mapping may also carry a ``cache_scope`` (a string): then its interventions are vouched for
+        as changing each position the same way whatever else is in the run (a steering vector, an
+        ablation: the server's named edits), and the request shares KV blocks with the requests of the same
+        scope (and ``cache_salt``) only (``scope-...``: neither plain requests nor other scopes).
         """
+        input = inv.spec.input
+        scope = input.get("cache_scope") if isinstance(input, Mapping) else None
+        salt = input.get("cache_salt") if isinstance(input, Mapping) else None
+        if scope is not None:
+            return f"scope-{scope}" + ("" if salt is None else f"-user-{salt}")
         if self.intervened:
             return f"asyncinterp-{os.getpid()}-{self.key}-{inv.index}"
-        input = inv.spec.input
-        salt = input.get("cache_salt") if isinstance(input, Mapping) else None
         return None if salt is None else f"user-{salt}"
 
     def before_step(self, engine) -> None:

@@ -150,6 +150,9 @@ def prompt_ids(input, tokenizer) -> list:
         salt = input.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        scope = input.get("cache_scope")
+        if scope is not None and (not isinstance(scope, str) or not scope):
+            raise ValueError(f"cache_scope must be a non-empty string, got {scope!r}")
         ids = input[key]
         if isinstance(ids, torch.Tensor):
             if ids.dim() == 2 and ids.shape[0] == 1:
