@@ -664,10 +664,12 @@ class Server:
             selection = self.names.resolve(name)
         except LookupError as exc:
             raise RequestFailed("not_found", str(exc), param="model") from None
-        if selection.adapter is not None:
-            raise RequestFailed("request", f"the model {name!r} names the LoRA adapter {selection.adapter.name!r}, "
-                                           f"but this server's {self.front.kind} engine cannot apply adapters per "
-                                           "request yet; use the base model's name", param="model")
+        adapter = selection.adapter
+        if adapter is not None and adapter.name not in getattr(getattr(self.model, "lora", None), "requests", {}):
+            raise RequestFailed("request", f"the model {name!r} names the LoRA adapter {adapter.name!r}, but this "
+                                           f"server's {self.front.kind} engine does not apply it per request (vLLM "
+                                           "engines do: serve with --engine vllm); use the base model's name",
+                                param="model")
         return selection
 
     async def _openai(self, request, kind, fields):
@@ -683,6 +685,8 @@ class Server:
             engine_options.update(logprob_fields.engine_options(req.logprobs))
             engine_options.update(structured.engine_options(req.structured, self.front.kind))
             selection = self._selection(req.model)
+            if selection.adapter is not None:     # the engine applies it to this request's tokens (vLLM LoRA)
+                engine_options["adapter"] = selection.adapter.name
             prompts = req.prompts if req.messages is None else [
                 openai_compat.chat_prompt(self.model.tokenizer, req.messages)]
         except BadRequest as exc:

@@ -79,7 +79,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "see docs/serving.md")
     p.add_argument("--lora-modules", action="append", default=[], metavar="NAME=PATH",
                    help="serve a LoRA adapter under the model name NAME (repeatable; listed by /v1/models; "
-                        "requests naming it are refused until the engine applies adapters per request)")
+                        "--engine vllm applies it to the requests naming it, alone or under named edits)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests per forward pass (default 32)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a request waits for others to share its forward (default 5 ms)")
@@ -143,6 +143,9 @@ def build_model(args):
     """The model the command line asks for: the one place where the serving engine is chosen and made."""
     options = engine_options(args)
     if args.engine == "vllm":
+        if getattr(args, "lora_modules", None):   # served by name (model_names); the engine applies them per request
+            from .model_names import parse_lora_option
+            options["lora_modules"] = dict(parse_lora_option(text) for text in args.lora_modules)
         return load_vllm(args.model, args.cache_dir, **options)
     return load_model(args.model, args.cache_dir)
 
