@@ -14,7 +14,8 @@ Every replica uses one torch thread (Ray gives an actor with ``num_cpus=1``
 OpenAI streaming completions (``max_tokens`` new tokens, greedy, the
 registered ``top_k`` intervention, so every request carries one), at most
 ``--concurrency`` in flight (closed loop), after a warm-up. Measured:
-requests/s over the run, TTFT (the first text chunk) p50/p90, latency p50.
+requests/s over the run, TTFT (the first text chunk) p50/p90, latency p50,
+and how many requests each replica answered (``x-asyncinterp-replica``).
 On this 2-core machine Ray's proxy, controller and raylet share the cores
 with the replicas: the numbers say what one machine gives, not how a
 cluster scales.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import datetime as _dt
 import json
 import os
@@ -96,6 +98,7 @@ async def one_request(http, url, model, prompt, max_tokens):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "asyncinterp": {"intervention": "top_k", "params": {"k": 5}}}
     async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        replica = r.headers.get("x-asyncinterp-replica", "-")
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -103,7 +106,7 @@ async def one_request(http, url, model, prompt, max_tokens):
                 ttft = time.perf_counter() - t0
             if line == "data: [DONE]":
                 break
-    return ttft, time.perf_counter() - t0
+    return ttft, time.perf_counter() - t0, replica
 
 
 async def load(url, model, requests, concurrency, max_tokens):
@@ -142,10 +145,11 @@ def measure(config, args):
         stop(proc)
     ttfts = [r[0] for r in results]
     lat = [r[1] for r in results]
+    shares = sorted(collections.Counter(r[2] for r in results).values(), reverse=True)
     return {"config": config, "replicas": replicas, "ready_s": round(ready, 1), "requests": len(results),
             "req_per_s": round(len(results) / wall, 2), "ttft_p50_ms": round(1000 * pct(ttfts, 0.5), 1),
             "ttft_p90_ms": round(1000 * pct(ttfts, 0.9), 1), "latency_p50_ms": round(1000 * pct(lat, 0.5), 1),
-            "latency_mean_ms": round(1000 * statistics.mean(lat), 1)}
+            "latency_mean_ms": round(1000 * statistics.mean(lat), 1), "per_replica": shares}
 
 
 def table(rows, args) -> str:
@@ -153,11 +157,12 @@ def table(rows, args) -> str:
              f"{args.concurrency} in flight, {args.max_tokens} new tokens, one thread per replica)", "",
              f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
              f"{os.cpu_count()} CPUs", "",
-             "| config | replicas | req/s | TTFT p50 (ms) | TTFT p90 (ms) | latency p50 (ms) | ready (s) |",
-             "|---|---|---|---|---|---|---|"]
+             "| config | replicas | req/s | TTFT p50 (ms) | TTFT p90 (ms) | latency p50 (ms) | requests per replica "
+             "| ready (s) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['replicas']} | {r['req_per_s']} | {r['ttft_p50_ms']} | "
-                     f"{r['ttft_p90_ms']} | {r['latency_p50_ms']} | {r['ready_s']} |")
+                     f"{r['ttft_p90_ms']} | {r['latency_p50_ms']} | {'/'.join(map(str, r['per_replica']))} | "
+                     f"{r['ready_s']} |")
     base = {r["config"]: r for r in rows}
     if "ray-1" in base and "ray-2" in base:
         lines += ["", f"ray-2 / ray-1 throughput: {base['ray-2']['req_per_s'] / base['ray-1']['req_per_s']:.2f}x"]

@@ -161,9 +161,11 @@ def openai_client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def answered_by(url, n=8) -> set:
+def answered_by(url, want: set, timeout=30.0) -> set:
+    """The replicas that answer ``/v1/health`` (asked until all of ``want`` answered, or ``timeout``)."""
     seen = set()
-    for _ in range(n):
+    deadline = time.monotonic() + timeout
+    while seen != want and time.monotonic() < deadline:
         r = httpx.get(f"{url}/v1/health", timeout=10)
         assert r.status_code == 200
         seen.add(r.headers[REPLICA])
@@ -180,10 +182,12 @@ def test_two_replicas_on_two_nodes_answer(dep):
     assert health["status"] == "ok" and health["isolation"] == "process"    # supervised workers in each replica
     seen = set()
     with httpx.Client(headers=headers(), timeout=30) as http:
-        for _ in range(12):
+        for _ in range(40):
             r = http.get(f"{dep.url}/v1/models")
             assert r.status_code == 200 and r.json()["data"][0]["id"] == NAME
             seen.add(r.headers[REPLICA])
+            if seen == ids:
+                break
     assert seen == ids             # Ray Serve's router spreads requests over both replicas
 
 
@@ -365,5 +369,5 @@ def test_replica_killed_under_load_loses_nothing_silently_and_recovers(dep):
     dep.wait_ready(timeout=90)
     after = replica_ids()
     assert victim not in after and len(after - before) == 1
-    assert answered_by(dep.url, 16) == after
+    assert answered_by(dep.url, after) == after      # the new replica serves
     print(f"\n200 requests in {took:.1f} s with one replica killed: {dict(kinds)}")
