@@ -12,8 +12,7 @@ import msgpack
 import pytest
 
 from asyncinterp.serve import cli, errors, openai_compat
-from asyncinterp.serve.replica_loss import (KIND, STATUS, TYPE, ReplicaLossAnswers, error_map, openai_error,
-                                            proxy_middlewares)
+from asyncinterp.serve.replica_loss import KIND, MESSAGE, Answers, ReplicaLossAnswers, proxy_middlewares
 from docsnippets import DOCS
 
 
@@ -26,9 +25,11 @@ def test_import_asyncinterp_does_not_import_ray():
 
 
 def test_the_502_is_the_servers_own_error_shape():
-    assert errors.KINDS[KIND].status == STATUS == 502 and errors.KINDS[KIND].type == TYPE
-    assert openai_error() == openai_compat.error_body(STATUS, error_map())
-    assert errors.RequestFailed(KIND, error_map()["message"]).error == error_map()
+    answers = Answers()
+    assert answers.status == errors.status_of(KIND) == 502
+    assert answers.error == {"type": "ReplicaLost", "message": MESSAGE, "traceback": [], "notes": [], "kind": KIND}
+    assert (b"x-should-retry", b"false") in answers.headers          # the openai package does not retry it
+    assert answers.openai == openai_compat.error_body(502, answers.error)
 
 
 # --------------------------------------------------------------------------- the proxy middleware
@@ -70,7 +71,7 @@ async def test_a_stream_cut_by_a_lost_replica_ends_with_its_error_event():
     token = {"type": "http.response.body", "body": msgpack.packb({"event": "token", "token": 5}), "more_body": True}
     r = await ask(proxy_like([start, token]), "/v1/generate", content=b"\x80")
     items = list(msgpack.Unpacker(__import__("io").BytesIO(r.content)))
-    assert items[0]["event"] == "token" and items[-1]["event"] == "error" and items[-1]["status"] == STATUS
+    assert items[0]["event"] == "token" and items[-1]["event"] == "error" and items[-1]["status"] == 502
 
 
 @pytest.mark.anyio
@@ -89,8 +90,10 @@ def anyio_backend():
 # --------------------------------------------------------------------------- options and the builder
 def _parse(argv):
     import argparse
+    from asyncinterp.serve.replicas import add_arguments
     p = argparse.ArgumentParser()
     cli.configure(p)
+    add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -113,6 +116,8 @@ def test_the_builder_refuses_what_it_cannot_use():
         ray_app.build({"model": "tiny-gpt2"})
     with pytest.raises(ValueError, match="not valid"):
         ray_app.build({"argv": "tiny-gpt2 --no-such-flag"})
+    with pytest.raises(ValueError, match="not valid"):          # replica counts are Ray Serve's config
+        ray_app.build({"argv": "tiny-gpt2 --replicas 2"})
     assert ray_app.build({"argv": "tiny-gpt2 --api-key x"}) is not None
 
 
@@ -135,7 +140,7 @@ def test_the_docs_serve_config_is_valid_for_ray_serve():
 @pytest.mark.parametrize("flags, message", [(["--replicas", "0"], "at least 1"),
                                             (["--replicas", "2", "--port", "0"], "--port 0")])
 def test_bad_replica_flags_fail_before_anything_starts(flags, message):
-    out = subprocess.run([sys.executable, "-m", "asyncinterp.serve.cli", "tiny-gpt2", *flags],
+    out = subprocess.run([sys.executable, "-m", "asyncinterp.serve.replicas", "tiny-gpt2", *flags],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
 

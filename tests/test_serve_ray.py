@@ -102,7 +102,7 @@ class Deployment:
         ray.init(address=self.cluster.address, logging_level=logging.WARNING, log_to_driver=False)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "asyncinterp.serve.cli", *serve_argv(self.interventions), "--replicas", "2",
+        cmd = [sys.executable, "-m", "asyncinterp.serve.replicas", *serve_argv(self.interventions), "--replicas", "2",
                "--ray-address", self.cluster.address, "--port", str(self.port), "--max-replicas-per-node", "1"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         # the reference (built while the replicas start): one server in this process, from the same command line

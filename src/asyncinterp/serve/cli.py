@@ -95,8 +95,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-memory-mb", type=int, default=4096,
                    help="with process isolation: MiB a worker may grow beyond its size at start (default 4096; "
                         "0: no limit)")
-    from .replicas import add_arguments
-    add_arguments(p)   # --replicas N, --ray-address: replicated serving on Ray Serve (docs/scale-out.md)
 
 
 _VLLM_FLAGS = ("tensor_parallel_size", "dtype", "max_model_len", "kv_cache_memory_bytes", "max_num_seqs",
@@ -210,9 +208,6 @@ def run(args) -> int:
         print(f"asyncinterp serve: refusing to bind {args.host!r}: only loopback addresses (127.0.0.1, ::1, "
               "localhost) unless --allow-non-loopback", file=sys.stderr)
         return 2
-    if getattr(args, "replicas", None) is not None:   # N replicas on Ray Serve, each running what follows
-        from .replicas import run_replicated
-        return run_replicated(args)
     prepare_process(args)
     keys = api_keys(args)
     log = logging.getLogger("asyncinterp.serve")

@@ -166,11 +166,12 @@ def build(args: dict):
     """Ray Serve application builder (``import_path: asyncinterp.serve.ray_app:build``).
 
     ``args``: ``{"argv": "MODEL --api-key KEY ..."}``, the ``asyncinterp
-    serve`` arguments each replica is built from (a string or a list).
-    Replica counts, autoscaling, ``max_ongoing_requests`` and
-    ``ray_actor_options`` come from Ray Serve's config (the ``deployments``
-    entry named ``AsyncinterpServer``); ``--replicas`` and the other
-    ``--replica...`` flags in ``argv`` only set defaults.
+    serve`` arguments each replica is built from (a string or a list; the
+    server's flags, not ``--replicas`` and its group). Replica counts,
+    autoscaling, ``max_ongoing_requests`` and ``ray_actor_options`` come from
+    Ray Serve's config (the ``deployments`` entry named
+    ``AsyncinterpServer``; without one: 1 replica, 1 CPU,
+    ``max_ongoing_requests`` 2 x ``--max-batch``).
     """
     args = dict(args or {})
     unknown = sorted(set(args) - {"argv"})

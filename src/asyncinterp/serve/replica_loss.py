@@ -20,54 +20,21 @@ Nothing is retried: a request a replica accepted may have run (its
 intervention may have had effects), so it never runs twice. Ray's router
 itself resends only a request that no replica accepted (nothing of it ran).
 
-The proxy imports this module by name, so it imports neither torch nor Ray:
-the shapes below are those of :mod:`.errors` (a test checks they agree).
+The answers are built once, when the proxy starts, from the one table of
+:mod:`.errors` (kind ``replica_lost``) and the shapes of
+:mod:`.openai_compat`; the proxy imports this module by name.
 """
 
 from __future__ import annotations
 
 import json
 
-import msgpack
-
 KIND = "replica_lost"
-STATUS = 502
-TYPE = "ReplicaLost"
 MESSAGE = ("the replica serving this request stopped before it answered (it crashed, was killed, or its node was "
            "lost); the request was not retried, since it may already have run. Ray Serve starts a new replica; "
            "sending it again is safe only if running it twice is")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
                 "/metrics")
-
-
-def error_map(message: str = MESSAGE) -> dict:
-    """The ``error`` map of the server's answers (:class:`~.errors.RequestFailed`'s shape)."""
-    return {"type": TYPE, "message": message, "traceback": [], "notes": [], "kind": KIND}
-
-
-def openai_error(message: str = MESSAGE) -> dict:
-    """OpenAI's error shape (:func:`~.openai_compat.error_body`'s) for a lost replica."""
-    error = error_map(message)
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": KIND,
-                      "asyncinterp": {k: error[k] for k in ("type", "traceback", "notes", "kind")}}}
-
-
-def answer(path: str) -> tuple:
-    """``(content type, body)`` of the 502 for a request to ``path`` that nothing was answered to yet."""
-    if path.rstrip("/") in OPENAI_PATHS:
-        return b"application/json", json.dumps(openai_error()).encode()
-    return b"application/msgpack", msgpack.packb({"ok": False, "error": error_map()})
-
-
-def stream_tail(content_type: str) -> bytes:
-    """The end of a stream cut by a lost replica: its error event in the stream's own format."""
-    if content_type.startswith("text/event-stream"):
-        return b"data: " + json.dumps(openai_error(), separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
-    if content_type.startswith("application/x-msgpack-stream"):
-        return msgpack.packb({"event": "error", "ok": False, "status": STATUS, "error": error_map()})
-    return b""      # a body of another kind has no in-band error: it ends, short, as before
-
-
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "asyncinterp.serve.replica_loss:proxy_middlewares"
 
@@ -80,11 +47,42 @@ def proxy_middlewares() -> list:
     return [Middleware(ReplicaLossAnswers)]
 
 
+class Answers:
+    """The bytes a lost replica's requests get: the server's own error shapes for kind ``replica_lost``."""
+
+    def __init__(self, message: str = MESSAGE):
+        from . import errors, openai_compat, wire
+        fail = errors.RequestFailed(KIND, message)
+        self.status = fail.status
+        self.error = fail.error
+        self.headers = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in (fail.headers or {}).items()]
+        self.openai = openai_compat.error_body(fail.status, fail.error)
+        self.native_body = wire.packb({"ok": False, "error": fail.error})
+        self.openai_body = json.dumps(self.openai).encode()
+        self.sse_tail = openai_compat.sse(self.openai) + openai_compat.DONE    # as a stream's own error ends
+        self.msgpack_tail = wire.packb({"event": "error", "ok": False, "status": fail.status, "error": fail.error})
+
+    def first(self, path: str) -> tuple:
+        """``(content type, body)`` of the answer to a request to ``path`` that nothing was answered to yet."""
+        if path.rstrip("/") in OPENAI_PATHS:
+            return b"application/json", self.openai_body
+        return b"application/msgpack", self.native_body
+
+    def tail(self, content_type: str) -> bytes:
+        """The end of a stream cut by a lost replica: its error event in the stream's own format."""
+        if content_type.startswith("text/event-stream"):
+            return self.sse_tail
+        if content_type.startswith("application/x-msgpack-stream"):
+            return self.msgpack_tail
+        return b""      # a body of another kind has no in-band error: it ends, short, as before
+
+
 class ReplicaLossAnswers:
     """ASGI middleware around Ray Serve's HTTP proxy app (installed by :func:`proxy_middlewares`)."""
 
     def __init__(self, app):
         self.app = app
+        self.answers = Answers()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -118,13 +116,12 @@ class ReplicaLossAnswers:
         if failed is not None:
             raise failed
 
-    @staticmethod
-    async def _finish(scope, send, state) -> None:
+    async def _finish(self, scope, send, state) -> None:
         if not state["started"]:
-            content_type, body = answer(scope.get("path", ""))
-            await send({"type": "http.response.start", "status": STATUS,
+            content_type, body = self.answers.first(scope.get("path", ""))
+            await send({"type": "http.response.start", "status": self.answers.status,
                         "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-                                    (b"x-should-retry", b"false")]})
+                                    *self.answers.headers]})
             await send({"type": "http.response.body", "body": body, "more_body": False})
         else:
-            await send({"type": "http.response.body", "body": stream_tail(state["type"]), "more_body": False})
+            await send({"type": "http.response.body", "body": self.answers.tail(state["type"]), "more_body": False})

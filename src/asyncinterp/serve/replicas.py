@@ -43,6 +43,36 @@ def add_arguments(p) -> None:
                    help="with --replicas: the Ray Serve application's name (default asyncinterp)")
 
 
+def run(args) -> int:
+    """``asyncinterp serve``: N replicas on Ray Serve with ``--replicas N``, else the one server of :mod:`.cli`."""
+    from . import cli
+    if getattr(args, "replicas", None) is None:
+        return cli.run(args)
+    from .app import is_loopback
+    if not is_loopback(args.host) and not args.allow_non_loopback:
+        print(f"asyncinterp serve: refusing to bind {args.host!r}: only loopback addresses (127.0.0.1, ::1, "
+              "localhost) unless --allow-non-loopback", file=sys.stderr)
+        return 2
+    try:
+        return run_replicated(args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"asyncinterp serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv=None) -> int:
+    """``python -m asyncinterp.serve.replicas MODEL --replicas N ...``: the same as ``asyncinterp serve``."""
+    import argparse
+    from . import cli
+    p = argparse.ArgumentParser(prog="asyncinterp serve", description=__doc__.split("\n\n")[0])
+    cli.configure(p)
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except KeyboardInterrupt:
+        return 130
+
+
 def check(args) -> None:
     """Refuse inconsistent replica flags before anything starts."""
     if args.replicas < 1:
@@ -125,3 +155,7 @@ def _take_down(name: str, local: bool, log) -> None:
         ray.shutdown()
     log.info("stopped", extra={"fields": {"event": "shutdown", "app": name,
                                           "seconds": round(time.monotonic() - t0, 2)}})
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
