@@ -35,9 +35,13 @@ def _add_demo(subparsers) -> None:
 
 
 def _add_serve(subparsers) -> None:
-    # `asyncinterp serve`: defined in asyncinterp.serve.cli (needs the `serve` extra only when run)
+    # `asyncinterp serve`: defined in asyncinterp.serve.cli (needs the `serve` extra only when run); with
+    # --replicas N the same server runs as N replicas on Ray Serve (asyncinterp.serve.replicas, the `ray` extra)
     from .serve.cli import add_parser
-    add_parser(subparsers)
+    from .serve.replicas import add_arguments, run
+    p = add_parser(subparsers)
+    add_arguments(p)
+    p.set_defaults(func=run)
 
 
 # Subcommands: functions that add a parser to `subparsers` and set `func`.

@@ -202,13 +202,8 @@ def run(args) -> int:
         print(f"asyncinterp serve: refusing to bind {args.host!r}: only loopback addresses (127.0.0.1, ::1, "
               "localhost) unless --allow-non-loopback", file=sys.stderr)
         return 2
-    if args.deterministic:
-        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # read by MKL at its first call, which is still ahead
-    setup_logging(args.log_format, args.log_level)
-    import torch
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    keys = list(args.api_key) + [k.strip() for k in os.environ.get("ASYNCINTERP_API_KEYS", "").split(",") if k.strip()]
+    prepare_process(args)
+    keys = api_keys(args)
     log = logging.getLogger("asyncinterp.serve")
     engine_options(args)   # refuse inconsistent engine options before loading anything
     if args.engine == "transformers" and (args.tensor_parallel_size or 1) > 1:
@@ -223,7 +218,41 @@ def run(args) -> int:
             close()
 
 
+def prepare_process(args) -> None:
+    """What the command line sets for this process before a model loads: BLAS determinism, logs, threads."""
+    if args.deterministic:
+        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # read by MKL at its first call, which is still ahead
+    setup_logging(args.log_format, args.log_level)
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def api_keys(args) -> list:
+    """The accepted API keys: ``--api-key`` and ``$ASYNCINTERP_API_KEYS`` (comma separated)."""
+    return list(args.api_key) + [k.strip() for k in os.environ.get("ASYNCINTERP_API_KEYS", "").split(",")
+                                 if k.strip()]
+
+
 def _serve(args, model, keys, log) -> int:
+    server = make_server(args, model, keys, log)
+    import uvicorn
+    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    userver = uvicorn.Server(config)
+    log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": server.front.kind,
+                                          "host": args.host,
+                                          "port": args.port, "interventions": sorted(server.interventions),
+                                          "models": [n for n, _ in server.names.listed()],
+                                          "weights": server.receipts.weights,
+                                          "allow_code": args.allow_code,
+                                          "isolation": "process" if server.supervised else "thread"}})
+    userver.run()
+    return 0
+
+
+def make_server(args, model, keys, log):
+    """The :class:`~.app.Server` the command line asks for, over ``model``, ready to take requests (its worker
+    processes started); shared by ``asyncinterp serve`` and each Ray Serve replica (:mod:`.ray_app`)."""
     from .app import Server
     isolation = choose_isolation(args, model, log)
     server = Server(model, api_keys=keys, allow_code=args.allow_code, max_batch=args.max_batch,
@@ -244,18 +273,7 @@ def _serve(args, model, keys, log) -> int:
     if args.allow_code:
         log.warning("submitted code is enabled: best-effort sandbox, trusted users only (docs/serving.md)",
                     extra={"fields": {"event": "startup"}})
-    import uvicorn
-    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    userver = uvicorn.Server(config)
-    log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": server.front.kind,
-                                          "host": args.host,
-                                          "port": args.port, "interventions": sorted(server.interventions),
-                                          "models": [n for n, _ in server.names.listed()],
-                                          "weights": server.receipts.weights,
-                                          "allow_code": args.allow_code,
-                                          "isolation": "process" if server.supervised else "thread"}})
-    userver.run()
-    return 0
+    return server
 
 
 def choose_isolation(args, model, log):

@@ -58,6 +58,8 @@ KINDS = {
     "crashed": Kind(500),                          # process isolation: the worker died running it alone
     "overloaded": Kind(503, "Overloaded", RETRY_SOON),
     "closed": Kind(503, "Closed", RETRY_SOON),
+    # Ray Serve: the replica died under it (answered by .replica_loss); never retried, as it may have run
+    "replica_lost": Kind(502, "ReplicaLost", (("x-should-retry", "false"),)),
     "unavailable": Kind(503),                      # process isolation: no worker could be started
     "timeout": Kind(504, "Timeout"),               # the request's time limit or its compute budget
     "hung": Kind(504),                             # process isolation: no heartbeat while running it alone
