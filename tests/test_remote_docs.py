@@ -18,7 +18,7 @@ from serve_helpers import one_thread  # noqa: F401 - fixture found by name
 
 # docs/remote.md's rows of what cannot run remotely -> the error a user gets (a regex)
 CANNOT = {
-    "gradients": r"operation 'grad' is not available|attribute 'backward' is not allowed",
+    "ai.gradients(...)": r"asyncinterp\.gradients is not available to submitted code",
     "a cache filter function": r"a cache filter function cannot travel",
     "a cache used inside another intervention": r"a asyncinterp\.tools\.cache\.Cache, which cannot travel",
     "inf or nan written into the model": r"holds inf or nan",

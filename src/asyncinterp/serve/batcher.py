@@ -630,6 +630,7 @@ class _GenerationWatch:
             rows = ids[span[0]:span[1]] if span is not None else ids
             if r.tokens is None:
                 r.tokens = [[] for _ in rows]
+            eos = () if r.gen.get("ignore_eos") else self.eos
             if idx in run.stopped_invokes:
                 # m.stop() during this step: like a stopped run, no token from it, unless it stopped at the
                 # tokens point itself (the token was chosen: a local run keeps it too)
@@ -642,7 +643,6 @@ class _GenerationWatch:
                 r.finish_generation(self.tokenizer, early=True)
                 continue
             stops = check_stop(r.gen.get("stop"))
-            eos = () if r.gen.get("ignore_eos") else self.eos
             done_rows = 0
             for row_tokens, t in zip(r.tokens, rows):
                 if row_tokens and self._ended(row_tokens, eos, stops):
