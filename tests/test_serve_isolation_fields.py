@@ -7,13 +7,16 @@ the edits and every intervention run in a worker process forked from the server,
 --allow-code`` runs them). Every request goes to both through the official ``openai`` package, greedy, and
 the answers must be equal (log-probabilities to 1e-5): an edit chosen by model name, an edit with the
 request's own intervention, ``logprobs``/``top_logprobs``, ``echo`` with logprobs, ``n`` > 1 and prompt
-lists, streamed logprobs. Also: an edit installed after the workers started (the worker is replaced), and
-an edit that kills its worker (a clear 500 saying so, and the server serves on).
+lists, streamed logprobs, edits with submitted code (run by the worker of submitted code). Also: an edit
+installed after the workers started (the worker is replaced), and an edit that kills its worker (a clear
+500 saying so, and the server serves on).
 """
 
 import math
 import os
+import pickle
 import textwrap
+from multiprocessing import reduction
 from typing import Annotated
 
 import openai
@@ -47,6 +50,13 @@ async def flip(m):
 '''
 
 
+TOP = """
+async def f(m, layer):
+    h = await m.transformer.h[layer].output
+    return [round(float(v), 4) for v in h[0, -1, :4]]
+"""
+
+
 async def scale(m, layer: Annotated[int, Range(0, 1)], factor: Annotated[float, Range(-100, 100)] = 1.0):
     """A registered intervention (every step): scale block ``layer``'s first half; returns the top tokens."""
     tops = []
@@ -64,7 +74,8 @@ async def crash(m):
 
 
 def make(model, edits_file, isolation):
-    server = Server(model, api_keys=[KEY], name=NAME, timeout=60, max_wait_ms=2, isolation=isolation)
+    server = Server(model, api_keys=[KEY], name=NAME, timeout=60, max_wait_ms=2, isolation=isolation, allow_code=True,
+                    code_budget=5.0)
     server.intervention("scale")(scale)
     install_from_options(server, [f"up={edits_file}:up", f"flip={edits_file}:flip", "half=scale:layer=1,factor=0.25"])
     return server
@@ -153,10 +164,19 @@ def test_an_edit_with_the_requests_own_intervention(servers):
     want, _ = both(servers, completion, model=f"{NAME}:up", extra_body=own)
     alone, _ = both(servers, completion, extra_body=own)
     assert want["asyncinterp"]["result"] != alone["asyncinterp"]["result"]   # it saw the edited model
+    code = {"asyncinterp": {"code": TOP, "params": {"layer": 1}}}     # submitted code: the code worker runs the edit
+    want, _ = both(servers, completion, model=f"{NAME}:up+flip", logprobs=2, extra_body=code)
+    alone, _ = both(servers, completion, logprobs=2, extra_body=code)
+    assert want["asyncinterp"]["result"] != alone["asyncinterp"]["result"]
 
 
 # ----------------------------------------------------------------------------- logprobs
-def test_logprobs_and_top_logprobs(servers):
+def test_logprobs_and_top_logprobs(servers, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the server unpickled something")
+    for owner in (pickle, reduction.ForkingPickler):     # the log-probabilities cross as msgpack
+        monkeypatch.setattr(owner, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
     want, _ = both(servers, completion, logprobs=5)
     lp = want["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == N and all(len(top) in (5, 6) for top in lp["top_logprobs"])
