@@ -242,16 +242,17 @@ def test_edit_options_parse_and_refuse_clearly(model, edits_file):
     install_from_options(server, [f"s=steer:module=transformer.h.0,vector={[0.5] * width},strength=2"])
     assert server.names.edits["s"].origin.startswith("steer:module=transformer.h.0")
     from asyncinterp.serve.supervisor import ProcessIsolation
-    isolated = Server(model, name=NAME, isolation=ProcessIsolation())
+    isolated = Server(model, name=NAME, isolation=ProcessIsolation())   # edits run in its worker processes
     try:
-        with pytest.raises(ValueError, match="not available with process isolation"):
-            isolated.add_edit("up", load_edit_function(edits_file, "up"))
+        isolated.add_edit("up", load_edit_function(edits_file, "up"))
+        assert isolated.names.resolve(f"{NAME}:up").edits[0].name == "up"
     finally:
         isolated.batcher.close()
 
 
 def test_the_cli_installs_edits_and_names_them(model, fns, edits_file):
-    """``asyncinterp serve tiny-gpt2 --edit up=edits.py:up --edit s=steer:...``, a real subprocess."""
+    """``asyncinterp serve tiny-gpt2 --allow-code --edit up=edits.py:up --edit s=steer:...``, a real subprocess
+    (with --allow-code the model and the edits run in supervised worker processes)."""
     import os
     import subprocess
     import sys
@@ -262,11 +263,13 @@ def test_the_cli_installs_edits_and_names_them(model, fns, edits_file):
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     vector = [0.5] * model.config.n_embd
     proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.serve.cli", "tiny-gpt2", "--port", str(port),
-                             "--threads", "1", "--edit", f"up={edits_file}:up",
+                             "--threads", "1", "--allow-code", "--edit", f"up={edits_file}:up",
                              "--edit", f"s=steer:module=transformer.h.0,vector={vector},strength=2"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", timeout=120)
+        import httpx
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=10).json()["isolation"] == "process"
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60) as c:
             assert [m.id for m in c.models.list().data] == ["tiny-gpt2", "tiny-gpt2:up", "tiny-gpt2:s"]
             got = c.completions.create(model="tiny-gpt2:up", prompt=PROMPT, max_tokens=N, temperature=0)

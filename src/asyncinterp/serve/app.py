@@ -681,7 +681,6 @@ class Server:
             req = openai_compat.parse_request(kind, openai_compat.decode_body(await self._read_body(request)),
                                               self.interventions, self.front.vocab_size())
             engine_options = self.front.sampling_options(req.fields)   # refuses what this engine cannot honour
-            logprob_fields.check_engine(req.logprobs, self.supervised)
             engine_options.update(logprob_fields.engine_options(req.logprobs))
             engine_options.update(structured.engine_options(req.structured, self.front.kind))
             selection = self._selection(req.model)
@@ -712,7 +711,8 @@ class Server:
             raise
         fields.update(intervention=label, max_new_tokens=n, model=req.model)
         # the model name's edits run first in the request's invoke; alone, they share a prefix-cache scope
-        fns = selection.fns + ((fn,) if fn is not None else ())
+        edits = self.batcher.remote_edits(selection.edits) if self.supervised else selection.fns   # by name to workers
+        fns = edits + ((fn,) if fn is not None else ())
         scope = selection.scope if fn is None else None
 
         def make_shaper(prompt, n, length, generate):

@@ -154,9 +154,3 @@ class Shape:
         return {"token": token, "logprob": max(entry[tid], FLOOR),
                 "bytes": list(token.encode("utf-8", errors="replace")), "top_logprobs": top}
 
-
-def check_engine(lp: LogprobRequest, supervised: bool) -> None:
-    """Refuse what this server cannot report (``BadRequest``)."""
-    if lp.top is not None and supervised:
-        raise _bad("logprobs are not available with process isolation (--isolation process) on this server yet: "
-                   "serve with the default thread isolation", "logprobs")

@@ -203,9 +203,6 @@ def install_edit(server, name: str, fn=None, *, intervention: str | None = None,
     or the registered ``intervention`` bound to ``params`` (a whole-run intervention with fixed parameters)."""
     from ..tools.edit import _check as check_edit
     from .params import BadRequest
-    if server.supervised:
-        raise ValueError("named edits run in the server's own process: they are not available with process "
-                         "isolation (--allow-code / --isolation process); use --isolation thread")
     server.names.check_name("edit", name)
     if (fn is None) == (intervention is None):
         raise ValueError("give an edit either a function or a registered intervention's name")

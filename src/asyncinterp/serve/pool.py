@@ -23,6 +23,7 @@ import time
 
 from .. import aio
 from . import confine, errors, wire, worker_proc
+from . import worker_results
 from .batcher import BatcherClosed, BatcherFull, GenerateResult
 from .channel import Channel, Heartbeat
 from .worker_failures import Cause, RemoteFailure, WorkerUnavailable, cause_of_exit, failure_for
@@ -123,6 +124,7 @@ class Pool:
         self.wanted = False           # start a worker even with nothing to do (Supervisor.start)
         self.stale = False            # registrations changed since the worker was forked: replace it when idle
         self.forked_names = None
+        self.forked_edits = None      # the named edits installed when the worker was forked (model_names)
         self.failed_starts = 0
         self.restarts = 0
         self.restart_began = None
@@ -141,6 +143,13 @@ class Pool:
             self.ensure_thread()
             self._dispatch()
             self.cond.notify_all()
+
+    def edits_installed(self, names) -> None:
+        """A request runs the named edits ``names``: a worker forked before one of them was installed has not
+        got it, and is replaced when idle (the request waits for its successor)."""
+        with self.cond:
+            if self.forked_edits is not None and not set(names) <= self.forked_edits:
+                self.stale = True
 
     def cancel(self, job: Ticket) -> None:
         with self.cond:
@@ -283,7 +292,12 @@ class Pool:
                     if not isinstance(value, dict):
                         return False
                     emitted = value.get("emitted") if isinstance(value.get("emitted"), list) else []
-                    value = GenerateResult(value.get("result"), value.get("tokens"), value.get("text"), emitted)
+                    try:
+                        extras = worker_results.generation_extras(value)   # logprobs, cached tokens
+                    except ValueError:
+                        return False
+                    value = GenerateResult(value.get("result"), value.get("tokens"), value.get("text"), emitted,
+                                           *extras)
                 j.finish(True, value)
             else:
                 error = msg.get("error")
@@ -363,6 +377,7 @@ class Pool:
                 return
             foreign = [p.worker.heartbeat.map for p in sup.pools.values() if p.worker is not None]
             self.forked_names = set(sup.server.interventions)
+            self.forked_edits = set(sup.server.names.edits)
             self.stale = False
         try:
             w = sup.in_server_loop(lambda: self._fork(foreign))
@@ -488,14 +503,14 @@ class Pool:
                                       "blamed": blamed is not None}})
 
     def _retire(self, w: WorkerHandle) -> None:
-        """Replace an idle worker (interventions were registered after it was forked)."""
+        """Replace an idle worker (interventions or edits were installed after it was forked)."""
         with self.cond:
             if w.jobs or self.worker is not w:
                 return
             w.doomed = True
             self.worker = None
         self._stop_process(w, 5.0)
-        log.info("replaced the %s worker process: interventions were registered after it started", self.name)
+        log.info("replaced the %s worker process: interventions or edits were installed after it started", self.name)
 
     def _stop_process(self, w: WorkerHandle, wait: float) -> None:
         try:

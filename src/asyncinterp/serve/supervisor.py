@@ -64,8 +64,8 @@ from .worker_failures import (Cause, RemoteFailure, WorkerCrashed, WorkerFailure
                               WorkerOutOfMemory, WorkerOverran, WorkerUnavailable, cause_of_exit, failure_for)
 
 __all__ = ["Cause", "Job", "Pool", "Ticket", "ProcessIsolation", "RemoteFailure", "SupervisedStream", "Supervisor", "TICK",
-           "WorkerCrashed", "WorkerFailure", "WorkerHandle", "WorkerHung", "WorkerOutOfMemory", "WorkerOverran",
-           "WorkerSpec", "WorkerUnavailable", "cause_of_exit", "check_forkable", "failure_for", "reap"]
+           "WorkerCrashed", "WorkerEdit", "WorkerFailure", "WorkerHandle", "WorkerHung", "WorkerOutOfMemory",
+           "WorkerOverran", "WorkerSpec", "WorkerUnavailable", "cause_of_exit", "check_forkable", "failure_for", "reap"]
 
 # --------------------------------------------------------------------------- settings
 @dataclass
@@ -133,6 +133,20 @@ class WorkerSpec:
     def __repr__(self):
         what = f"submitted:{self.spec.get('entry') or '?'}" if self.submitted else self.spec.get("name")
         return f"<WorkerSpec {what}>"
+
+
+class WorkerEdit:
+    """A named edit (:mod:`.model_names`) as it travels to a worker: by its name. The worker runs its own copy
+    of the edit (forked with the server's installed edits; a worker forked before an edit was installed is
+    replaced when idle, as for interventions registered after the fork)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"<WorkerEdit {self.name}>"
 
 
 # --------------------------------------------------------------------------- the batcher-shaped front
@@ -227,6 +241,11 @@ class Supervisor(aio.Closable):
                     pool.stale = True       # registered after the fork: replace the worker when it is idle
         return ws
 
+    def remote_edits(self, edits) -> tuple:
+        """The installed edits ``edits`` (a :class:`~.model_names.Selection`'s, in order) as they travel to a
+        worker, to be passed before the request's own :meth:`remote` intervention."""
+        return tuple(WorkerEdit(e.name) for e in edits)
+
     def start(self, timeout: float | None = None) -> None:
         """Start the worker processes now (instead of at the first request) and wait until they are ready."""
         pools = [p for n, p in self.pools.items() if n == "trusted" or self.server.allow_code]
@@ -307,10 +326,13 @@ class Supervisor(aio.Closable):
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
             self.loop = aio.LoopHandle()
-        spec = fns[0] if fns else None
-        if len(fns) > 1 or (spec is not None and not isinstance(spec, WorkerSpec)):
-            raise TypeError("a supervised server runs one intervention per request, described by "
-                            "Supervisor.remote(spec) (functions of this process cannot run in a worker)")
+        edits = [f.name for f in fns if isinstance(f, WorkerEdit)]
+        rest = fns[len(edits):]
+        spec = rest[0] if rest else None
+        if len(rest) > 1 or (spec is not None and not isinstance(spec, WorkerSpec)):
+            raise TypeError("a supervised server runs a request's named edits (Supervisor.remote_edits, first) and "
+                            "one intervention, described by Supervisor.remote(spec) (functions of this process "
+                            "cannot run in a worker)")
         timeout = float(self.server.timeout if timeout is None else timeout)
         if submitted is None:
             submitted = spec is not None and spec.submitted
@@ -319,6 +341,9 @@ class Supervisor(aio.Closable):
         # the server waits at most this long in all (worker restarts and re-runs included); the worker's own
         # limits and the hard deadlines end every request well before
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
+        if edits:
+            fields = dict(fields, edits=edits)
+            pool.edits_installed(edits)
         job = Ticket(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
                   guard)
         pool.submit(job)

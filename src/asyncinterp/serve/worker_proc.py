@@ -18,14 +18,17 @@ if it runs submitted code, confines itself with seccomp (:mod:`.confine`).
 
 Protocol (msgpack maps, see :mod:`.channel`). Server to worker:
 ``{"op": "run", "id", "kind": "trace"|"generate"|"session", "input", "spec", "timeout",
-"max_new_tokens", "stream", "gen", "session"?, "alone"?}`` (``session``: see :mod:`.sessions`) (``alone``: a re-run that the
-server sends by itself; the batcher does not wait for company), ``{"op": "cancel", "id"}``,
+"max_new_tokens", "stream", "gen", "edits"?, "session"?, "alone"?}`` (``edits``: the names
+of installed edits, :mod:`.model_names`, run before the spec's intervention) (``session``:
+see :mod:`.sessions`) (``alone``: a re-run that the server sends by itself; the batcher does
+not wait for company), ``{"op": "cancel", "id"}``,
 ``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid", "confined"}``;
 ``{"t": "batch", "ids"}`` from the batcher's thread just before a batch
 starts (before any of its code runs) and ``{"t": "batch_end"}`` when it has
 ended; ``{"t": "event", "id", "event"}``
 (``token``/``emit``/``restart``, as produced); ``{"t": "done", "id", "ok":
-true, "value"}`` or ``{"t": "done", "id", "ok": false, "status", "error"}``
+true, "value"}`` (a generation's ``value`` also carries its log-probabilities,
+see :mod:`.worker_results`) or ``{"t": "done", "id", "ok": false, "status", "error"}``
 (one per request, also after a cancel); ``{"t": "oom", "id"}`` and then exit
 status :data:`OOM_EXIT` when a request ran out of memory.
 """
@@ -41,7 +44,7 @@ import sys
 import threading
 
 from .. import aio
-from . import confine, errors, wire
+from . import confine, errors, wire, worker_results
 from .batcher import Batcher, Meter
 from .channel import Channel
 from .sandbox import SandboxTimeout
@@ -247,12 +250,13 @@ class Worker:
         try:
             fn, on_cancel, _, meter = self.server.bind_intervention(msg.get("spec"), timeout,
                                                                     required=kind == "trace")
+            edits = self._edits(msg.get("edits") or ())
         except _ERRORS as exc:   # the server checked the spec already: unexpected, but only this request fails
             self._reply(self._failure(jid, exc))
             return
         meter = meter if meter is not None else Meter()
         self.tags[meter] = jid
-        fns = () if fn is None else (fn,)
+        fns = edits + (() if fn is None else (fn,))     # the model name's edits first, as in process
         alone = bool(msg.get("alone"))
         if alone:       # the server sends nothing else until it is answered: no company will come
             self.batcher.max_wait = 0.0
@@ -273,6 +277,14 @@ class Worker:
                      "status": errors.status_of("client_disconnect"),
                      "error": {"type": "Cancelled", "message": "cancelled", "traceback": [], "notes": []}}
         self._reply(reply)
+
+    def _edits(self, names) -> tuple:
+        """The functions of the named edits ``names`` (:mod:`.model_names`), as installed when this worker forked."""
+        installed = self.server.names.edits
+        missing = [n for n in names if n not in installed]
+        if missing:   # the supervisor replaces a worker forked before an edit was installed: unexpected
+            raise LookupError(f"this worker process has no edit named {', '.join(map(repr, missing))}")
+        return tuple(installed[n].fn for n in names)
 
     async def _call(self, jid, kind, msg, fns, timeout, on_cancel, meter):
         batcher = self.batcher
@@ -342,7 +354,8 @@ class Worker:
 def _generated(jid, g) -> dict:
     return {"t": "done", "id": jid, "ok": True, "value": {
         "result": g.result, "tokens": g.tokens, "text": g.text,
-        "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted]}}
+        "emitted": [{"step": e["step"], "value": e["value"]} for e in g.emitted],
+        **worker_results.generation_fields(g)}}     # logprobs, prompt_logprobs, cached_tokens
 
 
 _ALLOC_FAILED = ("can't allocate memory", "Cannot allocate memory", "not enough memory")
