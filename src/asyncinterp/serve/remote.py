@@ -397,7 +397,11 @@ class RemoteInvoke(Invoke):
         if entry.get("ok"):
             self._value = fill_cache(self.spec.fns, entry.get("value"))   # an ai.Cache: filled with its records
         else:
-            self.error = remote_exception(RemoteError.from_wire(entry.get("error"), entry.get("status")))
+            error = RemoteError.from_wire(entry.get("error"), entry.get("status"))
+            if error.type == "UnsetFutureError":    # the usual cause: a value meant to flow from an earlier run
+                error = RemoteError(error.type, error.message, error.remote_traceback, [*error.notes, _UNSET_HINT],
+                                    error.status, error.kind)
+            self.error = remote_exception(error)
         self.done = True
 
     def value(self):
@@ -437,6 +441,9 @@ class RemoteGeneration(RemoteInvoke):
 
 # --------------------------------------------------------------------------- errors
 _CLASSES = {}
+_UNSET_HINT = ("A remote run sets the server's copies of your ai.Futures and variables, not yours: a value that "
+               "an earlier remote run set does not reach a later run. Pass it between runs inside one session "
+               "(`lm.session(fn)`, docs/remote.md \"Sessions\"), or set and await it in two invokes of one trace.")
 
 
 def _session_result(status, content):
