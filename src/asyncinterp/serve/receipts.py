@@ -77,12 +77,22 @@ def _tensor_hash(t: torch.Tensor) -> str:
 
 def _feed(h, t: torch.Tensor) -> None:
     t = t.detach()
+    if _is_dtensor(t):      # sharded by a tensor-parallel plan: every rank hashes the whole tensor (a collective:
+        t = t.full_tensor()  # every rank builds its server, and so its receipts, at the same point)
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     if t.numel():
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool
                  else t.to(torch.uint8).numpy().tobytes())
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
 
 
 def content_hash(*parts) -> str:
