@@ -72,6 +72,26 @@ def test_closing_the_last_engine_gives_torch_set_num_threads_back(tiny_dir):
         torch.set_num_threads(n)
 
 
+def test_an_engine_runs_after_torch_threads_were_lowered(tiny_dir):
+    """vLLM's CPU attention refuses a step whose OpenMP thread count differs between building its metadata and
+    running its kernel; the engine loop's own thread must take torch's count from its first step, whatever
+    the user (or an earlier tensor-parallel engine) set it to. (No other engine is open here.)"""
+    n = torch.get_num_threads()
+    if n < 2:
+        pytest.skip("needs 2 or more cores: with one, every thread count is the same")
+
+    async def logits(m):
+        return (await m.logits).clone()
+
+    torch.set_num_threads(1)
+    try:
+        with ai.VLLM(tiny_dir, **ENGINE) as vm:
+            out = vm.trace(PROMPTS[0], logits)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.isfinite(out).all()
+
+
 def test_envoy_tree_mirrors_vllm_model(vm):
     text = repr(vm)
     assert "LlamaDecoderLayer" in text and "logits_processor" in text

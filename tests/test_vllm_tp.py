@@ -203,10 +203,12 @@ def tp_dir(tmp_path_factory):
 def test_tp2_equals_tp1(tp_dir):
     require_vllm()
     results = {}
+    threads = torch.get_num_threads()
     for tp in (1, 2):
         model = ai.VLLM(tp_dir, tensor_parallel_size=tp, **ENGINE)
         try:
             assert model.tp == tp
+            assert torch.get_num_threads() == threads   # vLLM's executor lowers its parent to 1; we give it back
             assert "qkv_proj" in repr(model.model.layers[0].self_attn)   # the driver mirrors the tree
             results[tp] = scenario(model)
             results[tp]["parity"] = parity_scenario(model)

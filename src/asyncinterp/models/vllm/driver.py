@@ -41,6 +41,8 @@ process; :mod:`.stream` turns a job's tokens into events (:meth:`VLLM.astream`).
 
 from __future__ import annotations
 
+import torch
+
 from ...job import Job, Trace
 from ...model import _NOTHING
 from ..generating import GeneratingModel
@@ -50,7 +52,9 @@ from .environment import (
     TorchSettingsGuard,
     check_engine,
     check_engine_kwargs,
+    keep_torch_threads,
     prepare_environment,
+    restore_environment,
     shutdown_engine,
     skeleton,
 )
@@ -88,21 +92,27 @@ class VLLM(GeneratingModel, VLLMRoot):
     def __init__(self, model_dir, tokenizer=None, lora_modules=None, **engine_kwargs):
         kw = lora_engine_kwargs(check_engine_kwargs(engine_kwargs), lora_modules)
         tp = int(kw.get("tensor_parallel_size", 1) or 1)
-        prepare_environment(tp)
+        temporary = prepare_environment(tp)
         try:
             import vllm
         except ImportError as exc:
+            restore_environment(temporary)
             raise ImportError(
                 f"ai.VLLM needs vLLM ({exc}). On CPU install it beside the pinned torch with "
                 "`bash scripts/install_vllm.sh .venv` (make setup does), which also removes vLLM's companion "
                 "wheels that do not load with this torch") from exc
         TorchSettingsGuard.opened()
+        threads = torch.get_num_threads()
         try:
             llm = vllm.LLM(model=str(model_dir), tokenizer=tokenizer, **kw) if tokenizer is not None \
                 else vllm.LLM(model=str(model_dir), **kw)
         except BaseException:
             TorchSettingsGuard.closed()
             raise
+        finally:
+            restore_environment(temporary)
+        if tp > 1:
+            keep_torch_threads(threads)
         engine = llm.llm_engine
         try:
             check_engine(engine)

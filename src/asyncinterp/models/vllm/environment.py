@@ -17,8 +17,9 @@ import threading
 
 import torch
 
-__all__ = ["COMPILE_HINT", "HooksUnavailableError", "TorchSettingsGuard", "check_engine", "check_engine_kwargs",
-           "prepare_environment", "shutdown_engine", "skeleton"]
+__all__ = ["COMPILE_HINT", "HooksUnavailableError", "TorchSettingsGuard", "adopt_torch_threads", "check_engine",
+           "check_engine_kwargs", "keep_torch_threads",
+           "prepare_environment", "restore_environment", "shutdown_engine", "skeleton"]
 
 
 class HooksUnavailableError(RuntimeError):
@@ -101,21 +102,62 @@ def check_engine_kwargs(kw: dict) -> dict:
     return kw
 
 
-def prepare_environment(tp: int) -> None:
-    """Keep vLLM's engine core in this process; under TP on CPU, bind each worker's threads to its own cores."""
+def prepare_environment(tp: int) -> dict:
+    """Keep vLLM's engine core in this process; under TP on CPU, bind each worker's threads to its own cores.
+
+    Returns the variables set only for this engine's start (:func:`restore_environment` takes them back once
+    the engine's workers have read them): a later engine with another TP size must not inherit a binding
+    meant for this one (a TP=1 engine bound to core 0 alone builds its attention metadata for one thread and
+    runs it with two).
+    """
     value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     if value not in (None, "0"):
         raise HooksUnavailableError(
             f"VLLM_ENABLE_V1_MULTIPROCESSING={value} runs vLLM's engine core in another process, out of reach "
             "of asyncinterp's hooks; unset it or set it to 0 (ai.VLLM sets 0 when it is unset)")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    temporary = {}
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not torch.cuda.is_available():
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
         if len(cores) >= tp:
             per = len(cores) // tp
             chunks = [cores[i * per:(i + 1) * per] for i in range(tp)]
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            temporary["VLLM_CPU_OMP_THREADS_BIND"] = os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
                 f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
+    return temporary
+
+
+def restore_environment(temporary: dict) -> None:
+    """Unset what :func:`prepare_environment` set for one engine's start, unless something changed it since."""
+    for name, value in temporary.items():
+        if os.environ.get(name) == value:
+            del os.environ[name]
+
+
+def adopt_torch_threads() -> None:
+    """Give the calling (new) thread torch's OpenMP thread count before any of vLLM's kernels run in it.
+
+    A thread not made by OpenMP starts with the process's default count (the
+    number of cores); torch lowers it to its own setting only at the first
+    torch parallel op in that thread. vLLM's CPU attention reads the count
+    twice per step, once when it builds its metadata and once in the kernel,
+    and refuses a mismatch ("metadata->thread_num == thread_num (2 vs. 1)").
+    In the engine loop's thread the first read would otherwise see the
+    default and the second torch's setting, whenever the two differ (after
+    ``torch.set_num_threads(1)``, or after a tensor-parallel engine started).
+    """
+    torch.get_num_threads()   # runs torch's lazy per-thread initialisation
+
+
+def keep_torch_threads(threads: int) -> None:
+    """Give this process back ``threads`` torch threads after a tensor-parallel engine started.
+
+    vLLM's multiprocessing executor lowers its parent process to one torch
+    thread (the parent only schedules, in vLLM's own server); here the parent
+    is the user's process, whose own torch work must not silently slow down.
+    """
+    if torch.get_num_threads() != threads:
+        TorchSettingsGuard.original(threads)
 
 
 def check_engine(engine) -> None:

@@ -32,6 +32,8 @@ import itertools
 import logging
 import threading
 
+from .environment import adopt_torch_threads
+
 log = logging.getLogger("asyncinterp.vllm")
 
 _keys = itertools.count(1)
@@ -92,6 +94,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------ the loop thread
     def _run(self) -> None:
+        adopt_torch_threads()
         cond = self.cond
         while True:
             with cond:
