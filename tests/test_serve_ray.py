@@ -269,6 +269,72 @@ def test_keys_sandbox_and_isolation_hold_through_the_proxy(dep):
                        Client(dep.single.url, api_key=KEY).trace(PROMPTS[0], last_hidden))
 
 
+# --------------------------------------------------------------------------- a remote model through the replicas
+def test_a_remote_model_runs_through_the_replicas_as_against_one_server(dep):
+    """ai.remote (issue 21) against the Ray Serve proxy, unchanged: a closure over a client tensor, two invokes
+    sharing a future, per-step generation control and a session give what they give against one server."""
+    import asyncinterp as ai
+    direction = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    boost_at = [0, 2]
+
+    async def steer(m):
+        h = await m.transformer.h[1].output
+        h[:] = h + 4.0 * direction
+        return (await m.lm_head.output)[:, -1].clone()
+
+    def patching(model):
+        clean = ai.Future()
+
+        async def record(m):
+            clean.set_result((await m.transformer.h[1].output).clone())
+
+        async def patch(m):
+            h = await m.transformer.h[1].output
+            h[:, -1] = (await clean)[:, -1]
+            return (await m.lm_head.output)[:, -1].softmax(-1)
+
+        with model.trace() as run:
+            run.invoke(PROMPTS[2], record)
+            p = run.invoke(PROMPTS[3], patch)
+        return p.result
+
+    async def steer_some_steps(m):
+        seen = []
+        async for step in m.steps():
+            h = await m.transformer.h[0].output
+            if step in boost_at:
+                h[:] = h + 2.0 * direction
+            seen.append(step)
+        return seen
+
+    async def sweep(model, layers=(0, 1)):
+        async def record(m):
+            return [(await m.transformer.h[i].output)[:, -1].clone() for i in range(2)]
+        clean = await model.atrace(PROMPTS[0], record)
+        out = []
+        for layer in layers:
+            async def patch(m, layer=layer):
+                h = await m.transformer.h[layer].output
+                h[:, -1] = clean[layer]
+                return (await m.lm_head.output)[:, -1].softmax(-1).max()
+            out.append(await model.atrace(PROMPTS[1], patch))
+        return out
+
+    def everything(model):
+        gen = model.generate(PROMPTS[0], steer_some_steps, max_new_tokens=4)
+        return {"steer": model.trace(PROMPTS[0], steer), "patch": patching(model), "steps": gen.result,
+                "tokens": gen.tokens, "session": model.session(sweep, layers=(1, 0))}
+
+    with ai.remote(dep.url, api_key=KEY) as through, ai.remote(dep.single.url, api_key=KEY) as one:
+        got, want = everything(through), everything(one)
+    assert got["steps"] == want["steps"] == [0, 1, 2, 3]
+    assert torch.equal(got["tokens"], want["tokens"])
+    for key in ("steer", "patch"):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
+    for a, b in zip(got["session"], want["session"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- a replica killed under load
 LOAD = 200
 CONCURRENCY = 16
