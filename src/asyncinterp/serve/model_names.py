@@ -297,7 +297,15 @@ def _split_top(text: str) -> list:
 
 
 def parse_lora_option(text: str) -> tuple:
-    """``--lora-modules NAME=PATH`` -> ``(name, path)``."""
+    """``--lora-modules NAME=PATH`` (or vLLM's JSON form ``{"name": NAME, "path": PATH}``) -> ``(name, path)``."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({exc})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise ValueError(f'--lora-modules takes NAME=PATH or {{"name": NAME, "path": PATH}}, got {text!r}')
+        return spec["name"], spec["path"]
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--lora-modules takes NAME=PATH, got {text!r}")
