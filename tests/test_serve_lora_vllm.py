@@ -30,7 +30,7 @@ from test_serve_http import Live  # noqa: E402
 from test_vllm_lora import save_adapter  # noqa: E402
 from vllm_helpers import ENGINE, make_tiny_dir, require_vllm  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 KEY = "lora-key"
 NAME = "tiny"
@@ -141,7 +141,10 @@ def test_models_list_the_adapters(served, oai):
     ids = [m.id for m in oai.models.list().data]
     assert ids == [NAME, f"{NAME}:shift", "a", "b"]
     by_id = {m.id: m for m in oai.models.list().data}
-    assert by_id["a"].model_extra["parent"] == NAME and by_id["b"].model_extra["parent"] == NAME
+    names = served[1].server.names
+    for m in ("a", "b"):
+        assert by_id[m].model_extra["parent"] == NAME
+        assert by_id[m].model_extra["asyncinterp"]["adapter"] == {"name": m, "hash": names.adapters[m].digest}
     assert served[0].adapters == ["a", "b"]
 
 

