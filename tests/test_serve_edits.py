@@ -250,6 +250,24 @@ def test_edit_options_parse_and_refuse_clearly(model, edits_file):
         isolated.batcher.close()
 
 
+def test_lora_module_options_parse_as_vllms():
+    """``--lora-modules a=PATH b=PATH`` (several after one flag, as vLLM's), repeated, and vLLM's JSON form."""
+    import argparse
+    from asyncinterp.serve import cli
+    from asyncinterp.serve.model_names import parse_lora_option
+    p = argparse.ArgumentParser()
+    cli.configure(p)
+    args = p.parse_args(["dir", "--engine", "vllm", "--lora-modules", "a=/x", "b=/y=z",
+                         "--lora-modules", '{"name": "c", "path": "/w", "base_model_name": "dir"}'])
+    assert args.model == "dir"
+    assert [parse_lora_option(t) for t in args.lora_modules] == [("a", "/x"), ("b", "/y=z"), ("c", "/w")]
+    for bad, words in (("a", "NAME=PATH"), ("=x", "NAME=PATH"), ('{"name": "a"}', '"path": PATH'),
+                       ("{nope", "not valid JSON")):
+        with pytest.raises(ValueError, match="--lora-modules") as info:
+            parse_lora_option(bad)
+        assert words in str(info.value), (bad, info.value)
+
+
 def test_the_cli_installs_edits_and_names_them(model, fns, edits_file):
     """``asyncinterp serve tiny-gpt2 --allow-code --edit up=edits.py:up --edit s=steer:...``, a real subprocess
     (with --allow-code the model and the edits run in supervised worker processes)."""

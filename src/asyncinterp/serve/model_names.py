@@ -297,7 +297,15 @@ def _split_top(text: str) -> list:
 
 
 def parse_lora_option(text: str) -> tuple:
-    """``--lora-modules NAME=PATH`` -> ``(name, path)``."""
+    """``--lora-modules NAME=PATH`` (or vLLM's JSON form ``{"name": NAME, "path": PATH}``) -> ``(name, path)``."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({exc})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise ValueError(f'--lora-modules takes NAME=PATH or {{"name": NAME, "path": PATH}}, got {text!r}')
+        return spec["name"], spec["path"]
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--lora-modules takes NAME=PATH, got {text!r}")
@@ -317,7 +325,8 @@ def install_from_options(server, edits=(), loras=()) -> None:
 
 
 def models_list(names: ModelNames, created: int) -> dict:
-    """The ``GET /v1/models`` answer: the model, each edit on it and each adapter (``parent``: the model)."""
+    """The ``GET /v1/models`` answer: the model, each edit on it and each adapter (``parent``: the model; the
+    ``asyncinterp`` field: an edit's or adapter's content hash)."""
     data = []
     for name, parent in names.listed():
         entry = {"id": name, "object": "model", "created": created, "owned_by": "asyncinterp", "root": names.base,
@@ -326,5 +335,7 @@ def models_list(names: ModelNames, created: int) -> dict:
         if selection.edits:
             entry["asyncinterp"] = {"edits": [{"name": e.name, "hash": e.digest, "origin": e.origin}
                                               for e in selection.edits]}
+        if selection.adapter is not None:      # as the receipt names it: the adapter's files' hash
+            entry["asyncinterp"] = {"adapter": {"name": selection.adapter.name, "hash": selection.adapter.digest}}
         data.append(entry)
     return {"object": "list", "data": data}

