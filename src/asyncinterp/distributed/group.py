@@ -52,7 +52,7 @@ def init(timeout: float | None = None, backend: str = "gloo") -> None:
     ``ASYNCINTERP_TP_TIMEOUT`` or 60). Idempotent: a group that is already
     initialised is used as it is (its own timeout then applies).
     """
-    t = float(timeout if timeout is not None else DEFAULT_TIMEOUT)
+    t = float(timeout if timeout is not None else os.environ.get("ASYNCINTERP_TP_TIMEOUT", DEFAULT_TIMEOUT))
     _state["timeout"] = t
     if dist.is_initialized():
         return
