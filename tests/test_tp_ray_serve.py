@@ -157,6 +157,15 @@ def test_openai_completion_is_relayed(served, reference):
     assert r.json()["choices"][0]["text"] == reference.tokenizer.decode(want.tokens.reshape(-1)[-4:])
 
 
+def test_an_ordinary_error_passes_through_at_once(served):
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        served.client.trace("The quick brown fox", "steer", params=dict(PARAMS, module="model.no_such_layer"))
+    assert time.monotonic() - t0 < 3                   # no wait for a loss that did not happen
+    assert info.value.status == 400 and "no_such_layer" in str(info.value)
+    assert served.health()[0] == 200
+
+
 def test_a_lost_node_fails_requests_clearly_and_health_is_503_until_the_model_is_back(served, reference):
     node = served.node_of_rank(1)
     caught = {}
@@ -164,7 +173,7 @@ def test_a_lost_node_fails_requests_clearly_and_health_is_503_until_the_model_is
     def slow():
         t0 = time.monotonic()
         try:
-            caught["result"] = served.client.trace("The quick brown fox", "slow_top", params={"seconds": 4.0})
+            caught["result"] = served.client.trace("The quick brown fox", "slow_top", params={"seconds": 3.0})
         except RemoteError as exc:
             caught["error"] = exc
         caught["seconds"] = time.monotonic() - t0
@@ -180,6 +189,7 @@ def test_a_lost_node_fails_requests_clearly_and_health_is_503_until_the_model_is
     assert err is not None, caught                     # the request under the loss failed ...
     assert err.status == 503 and err.kind == "ranks_lost", (err.status, err.kind, str(err))
     assert "was lost while this request ran" in str(err) and "rank 1" in str(err)   # ... and says why
+    assert "Rank 0 answered HTTP" in str(err)          # with rank 0's own error (it survived: rank 1's node went)
     assert caught["seconds"] < 30
 
     status, h = served.health()
@@ -203,14 +213,35 @@ def test_a_lost_node_fails_requests_clearly_and_health_is_503_until_the_model_is
     steered_equals_tp1(served, reference)              # the model is back, with TP=1's answers
 
 
-def test_stopping_the_command_leaves_no_rank_actor(served):
-    err, _ = stop_server(served.proc, timeout=60)
-    assert served.proc.poll() is not None, err[-2000:]
+def rank_actors_after_stop(served) -> list:
+    """Stop the command (if it still runs); the rank actors still alive 30 s later at most."""
+    if served.proc.poll() is None:
+        stop_server(served.proc, timeout=60)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    while True:
         alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a.get("namespace") == NAMESPACE]
-        if not alive:
-            break
+        if not alive or time.monotonic() > deadline:
+            return alive
         time.sleep(0.5)
-    assert alive == []
+
+
+def test_stopping_the_command_leaves_no_rank_actor(served):
+    assert rank_actors_after_stop(served) == []
+    assert served.proc.poll() is not None
+
+
+def test_a_model_that_does_not_load_ends_the_command_with_the_ranks_error(served, tmp_path):
+    assert rank_actors_after_stop(served) == []        # the cluster's two nodes are free for this command
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "asyncinterp.cli", "serve", str(bad), "--tensor-parallel-size", "2",
+                          "--ray-address", served.cluster.address, "--port", str(free_port())],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "of the tensor-parallel model stopped" in out.stderr and "no-such-architecture" in out.stderr, \
+        out.stderr[-3000:]
+    assert time.monotonic() - t0 < 200

@@ -81,7 +81,7 @@ class RankActor:
         rank = int(env.get("RANK", 0))
         saved_argv, saved_path = list(sys.argv), list(sys.path)
         t0 = time.perf_counter()
-        code, error = 0, None
+        code, error, summary = 0, None, None
         try:
             if argv[0] == "-m":
                 sys.argv = [argv[1], *argv[2:]]
@@ -93,13 +93,15 @@ class RankActor:
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if exc.code is not None and not isinstance(exc.code, int):
-                error = str(exc.code)
+                error = summary = str(exc.code)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, with its traceback
             code, error = 1, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            summary = f"{type(exc).__name__}: {exc}"
         finally:
             sys.argv, sys.path[:] = saved_argv, saved_path
             _leave_group()
-        return {"rank": rank, "returncode": code, "error": error, "seconds": round(time.perf_counter() - t0, 3)}
+        return {"rank": rank, "returncode": code, "error": error, "exception": summary,
+                "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _leave_group():
@@ -129,7 +131,7 @@ class RayJob:
     refs: list
     nodes: list                          # per rank: {"node_id", "ip", "port", "spare_port", "pid"}
     master: str
-    results: list = field(default_factory=list)  # per rank: {"rank", "returncode", "error", "seconds"}
+    results: list = field(default_factory=list)  # per rank: {"rank", "returncode", "error", "exception", "seconds"}
     timed_out: bool = False
 
     @property
@@ -151,26 +153,28 @@ class RayJob:
             return ""
         return self.results[rank]["error"] or ""
 
-    def poll(self, timeout: float = 0.0):
+    def poll(self, timeout: float = 0.0, kill: bool = True):
         """``None`` while every rank runs; else the first rank's result to come in. Raises
-        :class:`RanksLostError` when that rank's actor died."""
+        :class:`RanksLostError` when that rank's actor died (having killed the others, unless ``kill=False``:
+        then the caller kills them, with :meth:`RayRanks.kill`, when the survivors had time to answer)."""
         import ray
         ready, _ = ray.wait(list(self.refs), num_returns=1, timeout=timeout)
         if not ready:
             return None
-        return self._get(self.refs.index(ready[0]), ready[0])
+        return self._get(self.refs.index(ready[0]), ready[0], kill=kill)
 
-    def _get(self, rank, ref, timeout=30.0):
+    def _get(self, rank, ref, timeout=30.0, kill=True):
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, WorkerCrashedError
         try:
             return ray.get(ref, timeout=timeout)
         except (RayActorError, WorkerCrashedError) as exc:
             node = self.nodes[rank]["node_id"] if rank < len(self.nodes) else "?"
-            self.owner.kill()
+            if kill:
+                self.owner.kill()
             raise RanksLostError(
                 f"rank {rank} of the tensor-parallel job was lost (its Ray actor on node {node[:12]} died: the node "
-                f"left the cluster or the process was killed); the other ranks were stopped. Start the job again "
+                f"left the cluster or the process was killed); the other ranks are stopped. Start the job again "
                 f"once the cluster has {self.owner.nproc} nodes for it ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})", [rank], [node]) from None
         except GetTimeoutError:

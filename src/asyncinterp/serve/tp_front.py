@@ -15,13 +15,15 @@ server. What it adds is the model's state:
 * a request arriving while the model is not there gets 503 ``ranks_lost``
   (``Retry-After``) at once, in the server's error shape (msgpack on the
   native endpoints, OpenAI's JSON on the OpenAI ones);
-* a request that was running when a rank was lost (rank 0 answers 5xx, or
-  cannot be reached) gets 503 ``ranks_lost`` naming the lost rank and its
-  node, with rank 0's own error appended.
+* a request that was running when a rank was lost (rank 0 answers with a
+  failed collective, or cannot be reached) gets 503 ``ranks_lost`` naming
+  the lost rank and its node, with rank 0's own error appended. Other errors
+  of rank 0 pass through unchanged, at once.
 
 Every wait is bounded: the relay's connect/read timeouts follow the
-server's ``--timeout``, and a 5xx waits at most ``LOSS_WAIT`` seconds for
-the supervisor to tell a lost rank from an ordinary failure.
+server's ``--timeout``, and an error that looks like a failed collective
+waits at most ``LOSS_WAIT`` seconds for the supervisor to tell a lost rank
+from a rank's own failure.
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ from .errors import RequestFailed, status_of
 
 __all__ = ["RankState", "front_app", "LOSS_WAIT"]
 
-#: seconds a 5xx from rank 0 waits for the supervisor to say whether a rank was lost under it
+#: seconds a failed collective on rank 0 waits for the supervisor to say whether a rank was lost under it
 LOSS_WAIT = 5.0
 UNAVAILABLE = status_of("ranks_lost")
-SERVER_ERROR = status_of("internal")       # rank 0 answered a server error: was a rank lost under it?
+FAILED = status_of("intervention")          # from this status up, rank 0's error may be a collective a lost rank broke
+#: words of a failed collective (a peer gone, a rank that did not report) in rank 0's error message
+_COLLECTIVE_WORDS = ("RankFailedError", "gloo", "Gloo", "Connection closed", "Connection reset", "peer",
+                     "did not report", "timed out", "Timed out")
 _HOP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"upgrade"}
 
 
@@ -66,7 +71,7 @@ class RankState:
 
     def set(self, status: str, reason: str, upstream=None, nodes=None) -> None:
         with self.lock:
-            if status == "lost":
+            if status == "lost" and self.status != "lost":
                 self.losses += 1
                 self.last_loss = reason
             if status == "ready":
@@ -145,13 +150,16 @@ def front_app(state: RankState, name: str, timeout: float) -> Starlette:
                                              f"ran; {not_there(state.snapshot())} ({type(exc).__name__})")
             return _unavailable(request, f"rank 0 of the tensor-parallel model could not be reached: "
                                          f"{type(exc).__name__}: {exc}")
-        if upstream.status_code >= SERVER_ERROR and await state.lost_after(s["generation"], LOSS_WAIT):
-            text = (await upstream.aread())[:2000]
-            await upstream.aclose()
-            detail = _error_text(text)
-            return _unavailable(request, "a rank of the tensor-parallel model was lost while this request ran; "
-                                         + not_there(state.snapshot()) + (f". Rank 0 said: {detail}" if detail else ""))
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower().encode() not in _HOP}
+        if upstream.status_code >= FAILED:
+            content = await upstream.aread()
+            await upstream.aclose()
+            detail = _error_text(content)
+            if _collective_failure(detail) and await state.lost_after(s["generation"], LOSS_WAIT):
+                return _unavailable(request, "a rank of the tensor-parallel model was lost while this request ran; "
+                                             + not_there(state.snapshot())
+                                             + f". Rank 0 answered HTTP {upstream.status_code}: {detail}")
+            return Response(content, upstream.status_code, out_headers)
         return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out_headers,
                                  background=BackgroundTask(upstream.aclose))
 
@@ -161,6 +169,10 @@ def front_app(state: RankState, name: str, timeout: float) -> Starlette:
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
     routes = [Route("/v1/health", health, methods=["GET"]), Route("/{path:path}", relay, methods=methods)]
     return Starlette(routes=routes, lifespan=_lifespan(shutdown))
+
+
+def _collective_failure(detail: str) -> bool:
+    return any(w in detail for w in _COLLECTIVE_WORDS)
 
 
 def _error_text(content: bytes) -> str:
@@ -175,4 +187,6 @@ def _error_text(content: bytes) -> str:
         except ValueError:
             return content[:300].decode("utf-8", "replace")
     err = obj.get("error") if isinstance(obj, dict) else None
-    return str(err.get("message", ""))[:1000] if isinstance(err, dict) else ""
+    if not isinstance(err, dict):
+        return ""
+    return f"{err.get('type', 'Error')}: {err.get('message', '')}"[:1000]

@@ -31,6 +31,7 @@ import time
 __all__ = ["add_arguments", "run", "RankSupervisor"]
 
 _ENV = "ASYNCINTERP_SERVE_ARGS"     # the rank code's configuration (read by tp_serve.main)
+LOST_GRACE = 5.0                    # seconds rank 0 may answer its running requests after another rank was lost
 
 
 def add_arguments(p) -> None:
@@ -116,14 +117,18 @@ class RankSupervisor(threading.Thread):
             self.log.info("tensor-parallel ranks ready", extra={"fields": {
                 "event": "ranks_ready", "ranks": [n["node_id"] for n in job.nodes], "upstream": upstream}})
             while not self.stopping.is_set():
-                ended = job.poll(timeout=0.5)
+                ended = job.poll(timeout=0.5, kill=False)
                 if ended is not None:
                     return "failed", _ended(ended)
             return "stopped", "stopped"
         except RanksLostError as exc:
             lost = ", ".join(f"rank {r} on node {n[:12]}" for r, n in zip(exc.ranks, exc.nodes))
-            return "lost", (f"{lost} was lost (its node left the Ray cluster or its process died); the other "
-                            f"ranks were stopped")
+            reason = (f"{lost} was lost (its node left the Ray cluster or its process died); the other ranks are "
+                      "stopped")
+            # unavailable at once; the survivors' collectives fail at once, so they answer what they were running
+            self.state.set("lost", reason)
+            self.stopping.wait(LOST_GRACE)
+            return "lost", reason
         finally:
             self.ranks.kill()
 
@@ -151,9 +156,8 @@ class RankSupervisor(threading.Thread):
 
 
 def _ended(result: dict) -> str:
-    err = (result.get("error") or "").strip()
-    last = err.splitlines()[-1] if err else f"exit status {result.get('returncode')}"
-    return f"rank {result.get('rank')} of the tensor-parallel model stopped: {last}"
+    what = (result.get("exception") or "").strip() or f"exit status {result.get('returncode')}"
+    return f"rank {result.get('rank')} of the tensor-parallel model stopped: {what[:1500]}"
 
 
 def run(args) -> int:
