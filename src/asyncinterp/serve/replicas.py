@@ -82,6 +82,10 @@ def check(args) -> None:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replica_cpus <= 0:
         raise ValueError(f"--replica-cpus must be positive, got {args.replica_cpus}")
+    if args.engine == "transformers" and (args.tensor_parallel_size or 1) > 1:
+        raise ValueError("--replicas with --tensor-parallel-size is not supported on the transformers engine: serve "
+                         "one sharded model with --tensor-parallel-size N --ray-address ADDR (its ranks on N Ray "
+                         "nodes, docs/tensor-parallel.md), without --replicas")
     if args.max_ongoing_requests is not None and args.max_ongoing_requests < 1:
         raise ValueError(f"--max-ongoing-requests must be at least 1, got {args.max_ongoing_requests}")
     if args.max_replicas_per_node is not None and args.max_replicas_per_node < 1:
