@@ -147,7 +147,8 @@ def table(data) -> str:
     lines = [f"TP=2 Llama (4 layers, width 256, 1 x 32 tokens), ranks as two local processes (launcher) or two "
              f"Ray actors on two Ray nodes (STRICT_SPREAD, one machine); medians of {data['rounds_total']} rounds "
              f"x {data['inner']} calls, ms per call", "",
-             "| placement | TP | forward (ms) | with intervention (ms) | intervention x forward |", "|---|---|---|---|---|"]
+             "| placement | TP | forward (ms) | with intervention (ms) | intervention x forward |",
+             "|---|---|---|---|---|"]
     for placement in ("launcher", "ray"):
         for tpname in ("TP=1", "TP=2"):
             f, i = med[placement][f"{tpname} forward"], med[placement][f"{tpname} intervention"]
@@ -156,7 +157,8 @@ def table(data) -> str:
             lines.append(f"| {placement} ({where}) | {tpname[-1]} | {f:.2f} | {i:.2f} | {i / f:.2f} |")
     r = med["ray"]["TP=2 intervention"] / med["launcher"]["TP=2 intervention"]
     lines += ["", f"- Ray nodes / launcher, TP=2 with intervention: {r:.2f}",
-              f"- Ray nodes / launcher, TP=2 forward: {med['ray']['TP=2 forward'] / med['launcher']['TP=2 forward']:.2f}",
+              f"- Ray nodes / launcher, TP=2 forward: "
+              f"{med['ray']['TP=2 forward'] / med['launcher']['TP=2 forward']:.2f}",
               f"- TP=2 equals TP=1 in every run: same top token {data['same_top']}, max logit difference "
               f"{data['max_logit_diff']:.1e}"]
     return "\n".join(lines)

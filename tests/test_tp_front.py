@@ -5,7 +5,9 @@ the ranks are starting or lost, ``/v1/health`` is 503 with the reason, and
 every request gets 503 ``ranks_lost`` at once in the server's error shape
 (msgpack on the native endpoints, OpenAI's JSON on the OpenAI ones), with
 ``Retry-After``. The relay itself, the loss under a running request and the
-return to health are tested on a real 2-node cluster in ``test_tp_ray_serve.py``.
+return to health are tested on a real 2-node cluster in
+``test_tp_ray_serve.py``. Last: a ``--ray-address`` where no cluster
+answers is a clear error at once.
 """
 
 from starlette.testclient import TestClient
@@ -59,3 +61,18 @@ def test_ready_without_a_reachable_rank_0_is_503_not_a_hang():
     with client(state) as c:
         r = c.get("/v1/health")
     assert r.status_code == 503 and "rank 0 does not answer" in r.json()["reason"]
+
+
+def test_a_ray_address_with_no_cluster_is_a_clear_error_at_once(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+    with socket.socket() as s:            # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "asyncinterp.cli", "serve", str(tmp_path), "--tensor-parallel-size",
+                          "2", "--ray-address", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and f"no Ray cluster answers at '127.0.0.1:{port}'" in out.stderr, out.stderr[-2000:]
+    assert "ray start --head" in out.stderr and time.monotonic() - t0 < 60

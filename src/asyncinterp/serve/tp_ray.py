@@ -1,4 +1,4 @@
-"""``asyncinterp serve DIR --tensor-parallel-size N --ray-address ADDR``: a sharded model whose ranks sit on N Ray nodes.
+"""``asyncinterp serve DIR --tensor-parallel-size N --ray-address ADDR``: a sharded model, its ranks on N Ray nodes.
 
 Without ``--ray-address`` the ranks are processes of this machine (the
 launcher, :mod:`.tp_serve`). With it, this command joins the Ray cluster and
@@ -160,6 +160,20 @@ def _ended(result: dict) -> str:
     return f"rank {result.get('rank')} of the tensor-parallel model stopped: {what[:1500]}"
 
 
+def _unreachable(address: str, timeout: float = 5.0) -> str:
+    """Why ``HOST:PORT`` takes no TCP connection within ``timeout`` s ("" when it does, or for 'auto'/'ray://'):
+    Ray's own client retries a wrong address for minutes before it gives up."""
+    import socket
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return ""
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return ""
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def run(args) -> int:
     """Serve ``args.model`` with its ranks on Ray nodes until Ctrl-C; the front on ``--host``/``--port``."""
     from .startup import setup_logging
@@ -178,7 +192,18 @@ def run(args) -> int:
 
     from ..distributed.ray_ranks import NAMESPACE
     from .tp_front import RankState, front_app
-    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    unreachable = _unreachable(args.ray_address)
+    if unreachable:
+        print(f"asyncinterp serve: no Ray cluster answers at {args.ray_address!r} ({unreachable}); start it with "
+              "`ray start --head` and pass its address (HOST:PORT, or 'auto')", file=sys.stderr)
+        return 1
+    try:
+        ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    except Exception as exc:  # noqa: BLE001 - a wrong address, no cluster there: one clear line
+        print(f"asyncinterp serve: could not join the Ray cluster at {args.ray_address!r} ({type(exc).__name__}: "
+              f"{exc}); start it with `ray start --head` and pass its address (HOST:PORT, or 'auto')",
+              file=sys.stderr)
+        return 1
     state = RankState(args.tensor_parallel_size)
     name = args.served_model_name or args.model
     userver = uvicorn.Server(uvicorn.Config(front_app(state, name, args.timeout), host=args.host, port=args.port,
