@@ -138,7 +138,8 @@ def test_the_docs_serve_config_is_valid_for_ray_serve():
 
 
 @pytest.mark.parametrize("flags, message", [(["--replicas", "0"], "at least 1"),
-                                            (["--replicas", "2", "--port", "0"], "--port 0")])
+                                            (["--replicas", "2", "--port", "0"], "--port 0"),
+                                            (["--replicas", "2", "--tensor-parallel-size", "2"], "without --replicas")])
 def test_bad_replica_flags_fail_before_anything_starts(flags, message):
     out = subprocess.run([sys.executable, "-m", "asyncinterp.serve.replicas", "tiny-gpt2", *flags],
                          capture_output=True, text=True, timeout=120)

@@ -34,6 +34,9 @@ __all__ = ["RankFailedError", "init", "agree", "rank", "world_size", "timeout_s"
 #: seconds a collective (and the end-of-run agreement) may wait for another rank
 DEFAULT_TIMEOUT = float(os.environ.get("ASYNCINTERP_TP_TIMEOUT", "60"))
 
+#: seconds the end-of-run agreement waits for the others' reports once a peer's process is known to be gone
+PEER_GONE_WAIT = 2.0
+
 _state = {"timeout": DEFAULT_TIMEOUT, "seq": 0}
 
 
@@ -52,7 +55,7 @@ def init(timeout: float | None = None, backend: str = "gloo") -> None:
     ``ASYNCINTERP_TP_TIMEOUT`` or 60). Idempotent: a group that is already
     initialised is used as it is (its own timeout then applies).
     """
-    t = float(timeout if timeout is not None else DEFAULT_TIMEOUT)
+    t = float(timeout if timeout is not None else os.environ.get("ASYNCINTERP_TP_TIMEOUT", DEFAULT_TIMEOUT))
     _state["timeout"] = t
     if dist.is_initialized():
         return
@@ -92,6 +95,11 @@ def is_collective_error(exc) -> bool:
                                                                       "Timed out", "peer"))
 
 
+def peer_gone(exc) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank's process is gone (not a timeout)."""
+    return any(w in str(exc) for w in ("Connection closed", "Connection reset", "Broken pipe"))
+
+
 def describe(exc) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).strip()
 
@@ -121,8 +129,11 @@ def agree(error=None):
     if error is not None and not is_collective_error(error):
         raise error          # this rank's own intervention failed: its own traceback says best
     keys = [prefix + str(r) for r in range(world)]
+    # a peer's process gone (its connection closed): a rank that failed on its own posted before it went, so
+    # its report is there already; one that was killed (its node lost) never reports: do not wait the timeout
+    wait = min(_state["timeout"], PEER_GONE_WAIT) if error is not None and peer_gone(error) else _state["timeout"]
     try:
-        kv.wait(keys, timedelta(seconds=_state["timeout"]))
+        kv.wait(keys, timedelta(seconds=wait))
     except Exception as exc:  # noqa: BLE001 - a rank that never reports (crashed, killed)
         gone = []
         for r in range(world):
@@ -133,7 +144,7 @@ def agree(error=None):
                 gone.append(r)
         raise RankFailedError(
             f"rank(s) {gone} of the tensor-parallel job did not report the end of run {seq} within "
-            f"{_state['timeout']:.0f} s (crashed, killed, or stuck)") from (error or exc)
+            f"{wait:g} s (crashed, killed, or stuck)") from (error or exc)
     texts = {r: kv.get(keys[r]).decode("utf-8", "replace") for r in range(world)}
     failed = {r: t for r, t in texts.items() if t != "ok" and r != me}
     if failed:

@@ -61,6 +61,8 @@ KINDS = {
     # Ray Serve: the replica died under it (answered by .replica_loss); never retried, as it may have run
     "replica_lost": Kind(502, "ReplicaLost", (("x-should-retry", "false"),)),
     "unavailable": Kind(503),                      # process isolation: no worker could be started
+    # tensor parallel on Ray nodes: a rank was lost (its node left); the model comes back by itself (.tp_front)
+    "ranks_lost": Kind(503, "RanksLost", RETRY_SOON),
     "timeout": Kind(504, "Timeout"),               # the request's time limit or its compute budget
     "hung": Kind(504),                             # process isolation: no heartbeat while running it alone
     "overran": Kind(504),                          # process isolation: past its batch's hard deadline

@@ -27,7 +27,8 @@ def add_arguments(p) -> None:
                    help="serve N replicas of this server, each with its own engine, behind Ray Serve's proxy "
                         "and router (needs the `ray` extra)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="with --replicas: join this Ray cluster ('auto', HOST:PORT); default: start a local one")
+                   help="with --replicas: join this Ray cluster ('auto', HOST:PORT); default: start a local one. "
+                        "With --tensor-parallel-size N (transformers): run the N ranks on N nodes of this cluster")
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
                    help="with --replicas: Ray CPUs each replica reserves (default 1)")
     g.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
@@ -41,6 +42,8 @@ def add_arguments(p) -> None:
                         f"(default {LOCAL_OBJECT_STORE_MB})")
     g.add_argument("--ray-app-name", default=None, metavar="NAME",
                    help="with --replicas: the Ray Serve application's name (default asyncinterp)")
+    from .tp_ray import add_arguments as tp_ray_arguments
+    tp_ray_arguments(p)
 
 
 def run(args) -> int:
@@ -79,6 +82,10 @@ def check(args) -> None:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replica_cpus <= 0:
         raise ValueError(f"--replica-cpus must be positive, got {args.replica_cpus}")
+    if args.engine == "transformers" and (args.tensor_parallel_size or 1) > 1:
+        raise ValueError("--replicas with --tensor-parallel-size is not supported on the transformers engine: serve "
+                         "one sharded model with --tensor-parallel-size N --ray-address ADDR (its ranks on N Ray "
+                         "nodes, docs/tensor-parallel.md), without --replicas")
     if args.max_ongoing_requests is not None and args.max_ongoing_requests < 1:
         raise ValueError(f"--max-ongoing-requests must be at least 1, got {args.max_ongoing_requests}")
     if args.max_replicas_per_node is not None and args.max_replicas_per_node < 1:

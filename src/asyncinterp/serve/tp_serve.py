@@ -44,7 +44,9 @@ _STOP = b"stop"
 
 
 def launch_ranks(args) -> int:
-    """In the command's own process: start ``args.tensor_parallel_size`` ranks serving ``args.model``; wait."""
+    """In the command's own process: start ``args.tensor_parallel_size`` ranks serving ``args.model``; wait.
+
+    With ``--ray-address`` the ranks are Ray actors on different nodes instead (:mod:`.tp_ray`)."""
     from ..distributed.launch import start
     if not os.path.isdir(args.model):
         print(f"asyncinterp serve: --tensor-parallel-size on the transformers engine serves a model directory "
@@ -54,6 +56,9 @@ def launch_ranks(args) -> int:
         print("asyncinterp serve: --allow-code is not available with --tensor-parallel-size (submitted code is "
               "not mirrored to the other ranks); register interventions with --interventions FILE", file=sys.stderr)
         return 2
+    if getattr(args, "ray_address", None):
+        from .tp_ray import run      # the ranks on Ray nodes, this process serves the front
+        return run(args)
     payload = json.dumps({k: v for k, v in vars(args).items() if k != "func"})
     job = start(["-m", "asyncinterp.serve.tp_serve"], nproc=args.tensor_parallel_size,
                 timeout=float(os.environ.get("ASYNCINTERP_TP_TIMEOUT", "60")), env=dict(os.environ, **{_ENV: payload}))
