@@ -11,7 +11,6 @@ import random
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import Annotated
 
@@ -19,7 +18,6 @@ import httpx
 import msgpack
 import pytest
 import torch
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,43 +26,13 @@ from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, Client, RemoteError, Server
 from asyncinterp.serve import wire
 from asyncinterp.serve.app import Range
+from remote_helpers import Live, free_port  # noqa: F401 - other modules import them from here too
 from serve_helpers import model, one_thread, stop_server, wait_healthy  # noqa: F401 - fixtures are found by name
 
 KEY = "test-key-123"
 PROMPTS = ["The cat sat on the", "A dog ran into a", "One two three four five", "Paris is the capital of",
            "I like green tea and", "We went to the big", "She said that he was", "It is a very good",
            "Once upon a time there was a", "The quick brown fox jumps over the"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Live:
-    """A uvicorn server in a thread, on a free loopback port."""
-
-    def __init__(self, server: Server):
-        self.server = server
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(server.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                access_log=False, lifespan="on")
-        self.uv = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.uv.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-
-    def close(self):
-        self.uv.should_exit = True
-        self.thread.join(15)
-        self.server.batcher.close()
-        assert not self.thread.is_alive()
 
 
 RECORD = {}
