@@ -29,10 +29,20 @@ import torch.distributed as dist
 
 from ..kernel.errors import AsyncInterpError
 
-__all__ = ["RankFailedError", "init", "agree", "rank", "world_size", "timeout_s", "DEFAULT_TIMEOUT"]
+__all__ = ["RankFailedError", "init", "agree", "rank", "world_size", "timeout_s", "configured_timeout",
+           "DEFAULT_TIMEOUT"]
 
-#: seconds a collective (and the end-of-run agreement) may wait for another rank
-DEFAULT_TIMEOUT = float(os.environ.get("ASYNCINTERP_TP_TIMEOUT", "60"))
+
+def configured_timeout() -> float:
+    """Seconds a collective may wait for another rank: ``ASYNCINTERP_TP_TIMEOUT`` as it is now, or 60.
+
+    Read when needed, not at import: a Ray actor imports this module before its job's environment is set.
+    """
+    return float(os.environ.get("ASYNCINTERP_TP_TIMEOUT", "60"))
+
+
+#: seconds a collective (and the end-of-run agreement) may wait for another rank, as configured at import
+DEFAULT_TIMEOUT = configured_timeout()
 
 #: seconds the end-of-run agreement waits for the others' reports once a peer's process is known to be gone
 PEER_GONE_WAIT = 2.0
@@ -55,7 +65,7 @@ def init(timeout: float | None = None, backend: str = "gloo") -> None:
     ``ASYNCINTERP_TP_TIMEOUT`` or 60). Idempotent: a group that is already
     initialised is used as it is (its own timeout then applies).
     """
-    t = float(timeout if timeout is not None else os.environ.get("ASYNCINTERP_TP_TIMEOUT", DEFAULT_TIMEOUT))
+    t = float(timeout if timeout is not None else configured_timeout())
     _state["timeout"] = t
     if dist.is_initialized():
         return

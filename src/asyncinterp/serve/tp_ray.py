@@ -54,15 +54,15 @@ class RankSupervisor(threading.Thread):
 
     def __init__(self, args, state, log, on_fatal):
         super().__init__(name="asyncinterp-tp-ranks", daemon=True)
+        from ..distributed.group import configured_timeout
         from ..distributed.ray_ranks import RayRanks
-        import os
         self.args, self.state, self.log, self.on_fatal = args, state, log, on_fatal
         self.stopping = threading.Event()
         self.fatal = None
         self.reached_ready = False
         self.ranks = RayRanks(nproc=args.tensor_parallel_size, strategy=args.tp_placement,
                               cpus_per_rank=args.tp_rank_cpus,
-                              collective_timeout=float(os.environ.get("ASYNCINTERP_TP_TIMEOUT", "60")),
+                              collective_timeout=configured_timeout(),
                               placement_timeout=args.tp_placement_timeout)
         self.payload = {k: v for k, v in vars(args).items() if k != "func"}
 

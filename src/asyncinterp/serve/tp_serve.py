@@ -47,6 +47,7 @@ def launch_ranks(args) -> int:
     """In the command's own process: start ``args.tensor_parallel_size`` ranks serving ``args.model``; wait.
 
     With ``--ray-address`` the ranks are Ray actors on different nodes instead (:mod:`.tp_ray`)."""
+    from ..distributed.group import configured_timeout
     from ..distributed.launch import start
     if not os.path.isdir(args.model):
         print(f"asyncinterp serve: --tensor-parallel-size on the transformers engine serves a model directory "
@@ -61,7 +62,7 @@ def launch_ranks(args) -> int:
         return run(args)
     payload = json.dumps({k: v for k, v in vars(args).items() if k != "func"})
     job = start(["-m", "asyncinterp.serve.tp_serve"], nproc=args.tensor_parallel_size,
-                timeout=float(os.environ.get("ASYNCINTERP_TP_TIMEOUT", "60")), env=dict(os.environ, **{_ENV: payload}))
+                timeout=configured_timeout(), env=dict(os.environ, **{_ENV: payload}))
     try:
         job.wait(None, grace=5.0)
     except KeyboardInterrupt:
