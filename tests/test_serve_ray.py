@@ -35,10 +35,10 @@ import torch
 pytest.importorskip("ray")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from asyncinterp.serve import AsyncClient, Client, RemoteError, cli  # noqa: E402
 from asyncinterp.serve.replica_loss import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
+from ray_helpers import stop_cluster, two_node_cluster  # noqa: E402
 from serve_helpers import SPIN, one_thread, stop_server  # noqa: E402,F401 - fixtures are found by name
 from test_serve_http import Live, free_port  # noqa: E402
 
@@ -96,10 +96,7 @@ class Deployment:
             f.write(INTERVENTIONS.format(marks=self.marks))
         self.env_before = os.environ.get(PROXY_CALLBACK_ENV)
         os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK     # the cluster's processes inherit it (the proxy's 502)
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "object_store_memory": 80 << 20, "include_dashboard": False})
-        self.nodes = [self.cluster.add_node(num_cpus=1, object_store_memory=80 << 20) for _ in range(2)]
-        ray.init(address=self.cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        self.cluster, self.nodes = two_node_cluster()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "asyncinterp.serve.replicas", *serve_argv(self.interventions), "--replicas", "2",
@@ -134,8 +131,7 @@ class Deployment:
                 self.single.close()
             err, _ = stop_server(self.proc, timeout=60)
         finally:
-            ray.shutdown()
-            self.cluster.shutdown()
+            stop_cluster(self.cluster)
             if self.env_before is None:
                 os.environ.pop(PROXY_CALLBACK_ENV, None)
             else:

@@ -20,7 +20,6 @@ a job past its timeout is killed, and a cluster with too few nodes is a
 """
 
 import json
-import logging
 import os
 import textwrap
 import time
@@ -29,9 +28,9 @@ import pytest
 
 pytest.importorskip("ray")
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from asyncinterp.distributed.ray_ranks import NAMESPACE, PlacementError, RanksLostError, RayRanks  # noqa: E402
+from ray_helpers import stop_cluster, two_node_cluster  # noqa: E402
 # the launcher's checks, asserted on what the Ray ranks measured (pytest collects them here under this module)
 from test_tp import (  # noqa: E402,F401
     test_a_failing_rank_is_a_clear_error_on_rank_0, test_activation_cache_during_generation,
@@ -48,15 +47,11 @@ ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 << 20,
-                                                      "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=1, object_store_memory=80 << 20) for _ in range(2)]
-    ray.init(address=c.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    c, nodes = two_node_cluster(NAMESPACE)
     try:
         yield c, nodes
     finally:
-        ray.shutdown()
-        c.shutdown()
+        stop_cluster(c)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ Every wait is bounded.
 """
 
 import functools
-import logging
 import os
 import subprocess
 import sys
@@ -31,13 +30,13 @@ import torch
 
 pytest.importorskip("ray")
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 import asyncinterp as ai  # noqa: E402
 from asyncinterp.distributed.launch import free_port  # noqa: E402
 from asyncinterp.distributed.ray_ranks import NAMESPACE  # noqa: E402
 from asyncinterp.serve import RemoteError, builtins  # noqa: E402
 from asyncinterp.serve.client import Client  # noqa: E402
+from ray_helpers import add_worker_node, stop_cluster, two_node_cluster  # noqa: E402
 from serve_helpers import stop_server, wait_healthy  # noqa: E402
 from tp_checks import build_llama_dir  # noqa: E402
 
@@ -68,11 +67,7 @@ class Served:
         build_llama_dir(self.path)
         interventions = tmp / "slow.py"
         interventions.write_text(INTERVENTIONS)
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "object_store_memory": 80 << 20, "include_dashboard": False})
-        self.nodes = [self.cluster.add_node(num_cpus=1, object_store_memory=80 << 20) for _ in range(2)]
-        ray.init(address=self.cluster.address, namespace=NAMESPACE, logging_level=logging.WARNING,
-                 log_to_driver=False)
+        self.cluster, self.nodes = two_node_cluster(NAMESPACE)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", ASYNCINTERP_TP_TIMEOUT="60")
@@ -99,8 +94,7 @@ class Served:
             if self.proc.poll() is None:
                 stop_server(self.proc, timeout=60)
         finally:
-            ray.shutdown()
-            self.cluster.shutdown()
+            stop_cluster(self.cluster)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +195,7 @@ def test_a_lost_node_fails_requests_clearly_and_health_is_503_until_the_model_is
     assert time.monotonic() - t0 < 5
     assert info.value.status == 503 and "not available" in str(info.value) and "retry later" in str(info.value)
 
-    served.nodes.append(served.cluster.add_node(num_cpus=1, object_store_memory=80 << 20))
+    served.nodes.append(add_worker_node(served.cluster))
     deadline = time.monotonic() + 120
     while served.health()[0] != 200:                   # placed again by itself, once the cluster has two nodes
         assert served.proc.poll() is None
