@@ -40,6 +40,7 @@ from asyncinterp.serve import AsyncClient, Client, RemoteError, cli  # noqa: E40
 from asyncinterp.serve.replica_loss import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
 from ray_helpers import stop_cluster, two_node_cluster  # noqa: E402
 from serve_helpers import SPIN, one_thread, stop_server  # noqa: E402,F401 - fixtures are found by name
+from test_remote import _patching, patching_sweep  # noqa: E402 - the remote tests' patching job and session
 from test_serve_http import Live, free_port  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -278,22 +279,6 @@ def test_a_remote_model_runs_through_the_replicas_as_against_one_server(dep):
         h[:] = h + 4.0 * direction
         return (await m.lm_head.output)[:, -1].clone()
 
-    def patching(model):
-        clean = ai.Future()
-
-        async def record(m):
-            clean.set_result((await m.transformer.h[1].output).clone())
-
-        async def patch(m):
-            h = await m.transformer.h[1].output
-            h[:, -1] = (await clean)[:, -1]
-            return (await m.lm_head.output)[:, -1].softmax(-1)
-
-        with model.trace() as run:
-            run.invoke(PROMPTS[2], record)
-            p = run.invoke(PROMPTS[3], patch)
-        return p.result
-
     async def steer_some_steps(m):
         seen = []
         async for step in m.steps():
@@ -303,23 +288,10 @@ def test_a_remote_model_runs_through_the_replicas_as_against_one_server(dep):
             seen.append(step)
         return seen
 
-    async def sweep(model, layers=(0, 1)):
-        async def record(m):
-            return [(await m.transformer.h[i].output)[:, -1].clone() for i in range(2)]
-        clean = await model.atrace(PROMPTS[0], record)
-        out = []
-        for layer in layers:
-            async def patch(m, layer=layer):
-                h = await m.transformer.h[layer].output
-                h[:, -1] = clean[layer]
-                return (await m.lm_head.output)[:, -1].softmax(-1).max()
-            out.append(await model.atrace(PROMPTS[1], patch))
-        return out
-
     def everything(model):
         gen = model.generate(PROMPTS[0], steer_some_steps, max_new_tokens=4)
-        return {"steer": model.trace(PROMPTS[0], steer), "patch": patching(model), "steps": gen.result,
-                "tokens": gen.tokens, "session": model.session(sweep, layers=(1, 0))}
+        return {"steer": model.trace(PROMPTS[0], steer), "patch": _patching(model)[0], "steps": gen.result,
+                "tokens": gen.tokens, "session": model.session(patching_sweep, layers=(1, 0))}
 
     with ai.remote(dep.url, api_key=KEY) as through, ai.remote(dep.single.url, api_key=KEY) as one:
         got, want = everything(through), everything(one)
