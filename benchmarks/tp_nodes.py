@@ -30,24 +30,14 @@ import argparse
 import json
 import logging
 import os
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def build(path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+sys.path.insert(0, str(HERE))
+from tp_overhead import build, timed_rounds  # noqa: E402 - the same model and the same paired rounds
 
 
 def rank_main(path, rounds, inner, out):
@@ -90,16 +80,7 @@ def rank_main(path, rounds, inner, out):
         diff = float((one.module(ids).logits - two.module(ids).logits).abs().max())
         for fn in systems.values():   # warm-up
             fn()
-        times = {k: [] for k in systems}
-        order = list(systems)
-        rng = random.Random(7)        # the same order on every rank: the collectives pair up
-        for _ in range(rounds):
-            rng.shuffle(order)
-            for key in order:
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    systems[key]()
-                times[key].append((time.perf_counter() - t0) / inner * 1e3)
+        times = timed_rounds(systems, rounds, inner)
     if tp.rank() == 0:
         with open(out, "w") as f:
             json.dump({"times": {f"{a} {b}": v for (a, b), v in times.items()}, "same_top": same,

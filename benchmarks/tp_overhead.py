@@ -45,6 +45,22 @@ def build(path):
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+def timed_rounds(systems, rounds, inner) -> dict:
+    """``{key: [ms per call, one per round]}``: each round runs every system ``inner`` times, in an order shuffled
+    the same way on every rank (a seeded generator), so the ranks' collectives pair up."""
+    times = {k: [] for k in systems}
+    order = list(systems)
+    rng = random.Random(7)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for key in order:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                systems[key]()
+            times[key].append((time.perf_counter() - t0) / inner * 1e3)
+    return times
+
+
 def rank_main(path, rounds, inner, out):
     import torch
     import torch.distributed as dist
@@ -107,16 +123,7 @@ def rank_main(path, rounds, inner, out):
                    for x, y, z in zip(a, b, c)), "the systems read different values"
         for fn in systems.values():   # warm-up
             fn()
-        times = {k: [] for k in systems}
-        order = list(systems)
-        rng = random.Random(7)   # the same order on every rank: the collectives pair up
-        for _ in range(rounds):
-            rng.shuffle(order)
-            for key in order:
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    systems[key]()
-                times[key].append((time.perf_counter() - t0) / inner * 1e3)
+        times = timed_rounds(systems, rounds, inner)
     if tp.rank() == 0:
         med = {f"{k[0]} {k[1]}": statistics.median(v) for k, v in times.items()}
         rows = []
