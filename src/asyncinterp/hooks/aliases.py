@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import weakref
 
+from .archs import Refused, alias_override
 from .modules import submodules
 
 __all__ = ["STANDARD", "register", "set_alias", "aliases_of", "copy_aliases", "resolve", "standard_names"]
@@ -37,21 +38,24 @@ STANDARD: dict[str, list[str]] = {
     "layers": ["model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "transformer.layers",
                "transformer.blocks", "h", "blocks"],
     "embed": ["model.embed_tokens", "transformer.wte", "gpt_neox.embed_in", "model.decoder.embed_tokens",
-              "embed_tokens", "wte"],
+              "transformer.word_embeddings", "embed_tokens", "wte"],
     "pos_embed": ["transformer.wpe", "model.decoder.embed_positions", "wpe"],
     "final_norm": ["model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm",
-                   "norm", "ln_f"],
+                   "transformer.norm_f", "norm", "ln_f"],
     "lm_head": ["lm_head", "embed_out"],
     # layer level
     "attn": ["self_attn", "attn", "attention", "self_attention"],
-    "mlp": ["mlp", "feed_forward"],
-    "attn_norm": ["input_layernorm", "ln_1"],
-    "mlp_norm": ["post_attention_layernorm", "ln_2"],
+    "mlp": ["mlp", "feed_forward", "ffn"],
+    "attn_norm": ["input_layernorm", "ln_1", "norm_1", "self_attn_layer_norm"],
+    "mlp_norm": ["post_attention_layernorm", "ln_2"],   # (where that is not the pre-MLP norm: hooks/archs.py)
     # attention / MLP level
     "out_proj": ["o_proj", "c_proj", "dense"],
-    "up_proj": ["c_fc"],
-    "down_proj": ["c_proj"],
+    "up_proj": ["c_fc", "fc1", "fc_in", "dense_h_to_4h"],
+    "down_proj": ["c_proj", "fc2", "fc_out", "dense_4h_to_h"],
 }
+
+
+_BY_ARCHITECTURE = frozenset(("mlp_norm", "mlp"))
 
 
 def register(name: str, *paths: str) -> None:
@@ -102,6 +106,12 @@ def resolve(envoy, name: str):
         override = _overrides.get(envoy, {}).get(name)
         if override is not None:
             return _lookup(envoy, override)
+    if name in _BY_ARCHITECTURE:                 # names whose meaning differs by architecture (hooks/archs.py)
+        said = alias_override(envoy, name)
+        if isinstance(said, Refused):
+            return None                          # Envoy._missing quotes the reason
+        if said is not None:
+            return _lookup(envoy, said)
     candidates = STANDARD.get(name)
     if not candidates:
         return None

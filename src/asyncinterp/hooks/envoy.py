@@ -25,7 +25,7 @@ from .points import Point
 _BASE_KINDS = ("output", "inputs")
 
 #: TransformerLens's names, looked up on a miss only (see asyncinterp.hooks.semantic)
-SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
+SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "z", "pattern", "pre", "post",
                             "logits", "router", "per_expert", "routed"))   # (the last three: MoE blocks, hooks/moe.py)
 _semantic = {"build": None}
 
@@ -304,9 +304,18 @@ class Envoy:
         return None if build is None else build(envoy, name)
 
     def _missing(self, name):
+        from .archs import Refused, alias_override, arch_name
+        said = alias_override(self, name)
+        where = self.path or type(self.module).__name__
+        if isinstance(said, Refused):
+            return ModulePathError(f"{where} has no {name!r} in architecture {arch_name(self)!r}: {said}")
+        if name in SEMANTIC_NAMES:
+            return ModulePathError(
+                f"{where} has no semantic point {name!r}: resid_pre/resid_mid/resid_post live on a decoder layer "
+                "(m.layers[i]), q/k/v/z/pattern on its attention (m.layers[i].attn), pre/post on its MLP "
+                "(m.layers[i].mlp; router/per_expert/routed on MoE blocks), logits on the model")
         names = list(submodules(self.module))
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-        where = self.path or type(self.module).__name__
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         listing = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
         return ModulePathError(

@@ -24,11 +24,11 @@ engines (vLLM) give their root envoy a ``build_semantic_point`` method.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from ..kernel.errors import AsyncInterpError, ReplacementError
+from .archs import Refused, arch_name, mlp_post_site, mlp_refusal, qkv_layout, resid_mid_site, z_site
+from .attention import PatternPoint, out_projection, uses_interface
 from .envoy import SEMANTIC_NAMES, HookPoint, register_semantic
 from .moe import MOE_NAMES, moe_point
 from .modules import add_forward_hook, submodules
@@ -36,11 +36,11 @@ from .points import Point
 from .views import check_replacement
 
 __all__ = ["NAMES", "SemanticPoint", "PatternPoint", "UnavailablePoint", "PointUnavailableError",
-           "transformers_point"]
+           "transformers_point", "LogitsPoint", "FusedPart"]
 
 #: the semantic names, by the kind of envoy they live on
 LAYER_NAMES = ("resid_pre", "resid_mid", "resid_post")
-ATTN_NAMES = ("q", "k", "v", "pattern")
+ATTN_NAMES = ("q", "k", "v", "z", "pattern")
 MLP_NAMES = ("pre", "post")
 ROOT_NAMES = ("logits",)
 NAMES = frozenset(LAYER_NAMES + ATTN_NAMES + MLP_NAMES + ROOT_NAMES + MOE_NAMES)
@@ -176,97 +176,204 @@ def _find(envoy, *names):
         if name in subs:
             return envoy.child(name)
     for name in names:
-        found = resolve(envoy, name)
+        try:
+            found = resolve(envoy, name)
+        except AsyncInterpError:
+            found = None
         if found is not None:
             return found
     return None
 
 
-_ACT_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
+_ACT_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func", "gelu_impl")
+_MLP_OUT = ("down_proj", "c_proj", "fc2", "fc_out", "dense_4h_to_h", "w2")
 
 
-def transformers_point(envoy, name: str):
-    """The semantic point ``name`` of ``envoy`` on a transformers model (GPT-2 / Llama families), or ``None``."""
-    if name in MOE_NAMES:
-        return moe_point(envoy, name)
-    if name in LAYER_NAMES:
-        attn, mlp, mlp_norm = _find(envoy, "attn"), _find(envoy, "mlp"), _find(envoy, "mlp_norm")
-        if attn is None or mlp is None:
-            return None
-        if name == "resid_pre":
-            return SemanticPoint(envoy, name, envoy.inputs, first_arg, with_first_arg)
-        if name == "resid_post":
-            return SemanticPoint(envoy, name, envoy.output, first_of, with_first)
-        if mlp_norm is None:
-            return UnavailablePoint(f"{envoy.path}.resid_mid", "this layer has no norm between attention and "
-                                    "MLP (no post_attention_layernorm / ln_2); use .attn.output and .mlp.input")
-        label = f"{envoy.path}.resid_mid"
-        return SemanticPoint(envoy, name, mlp_norm.inputs, first_arg, copy_into_first_arg(label))
-    if name in ("q", "k", "v"):
-        return _qkv_point(envoy, name)
-    if name == "pattern":
-        if _find(envoy, "q_proj", "c_attn") is None:
-            return None
-        return PatternPoint(envoy)
-    if name in MLP_NAMES:
-        act = _find(envoy, *_ACT_NAMES)
-        if act is None or not submodules(envoy.module):
-            return None
-        if name == "pre":
-            return SemanticPoint(envoy, name, act.inputs, first_arg, with_first_arg)
-        if "gate_proj" in submodules(envoy.module):      # gated: post = act(gate) * up, the input of down_proj
-            down = _find(envoy, "down_proj")
-            return SemanticPoint(envoy, name, down.inputs, first_arg, with_first_arg)
-        return SemanticPoint(envoy, name, act.output, first_of, with_first)
-    if name == "logits" and envoy.parent is None:
-        head = _find(envoy, "lm_head")
-        if head is None:
-            return None
-        return SemanticPoint(envoy, name, head.output, last_position, with_last_position)
+def _unavailable(envoy, name, reason):
+    return UnavailablePoint(f"{envoy.path}.{name}", f"architecture {arch_name(envoy)!r}: {reason}")
+
+
+def _role(envoy):
+    """``"layer"``, ``"attn"``, ``"mlp"`` or ``None``: what ``envoy`` is in a decoder (by its parent's standard names)."""
+    parent = envoy.parent
+    if parent is not None and _find(parent, "attn") is envoy and _find(parent, "mlp") is not None:
+        return "attn"
+    if parent is not None and _find(parent, "mlp") is envoy and _find(parent, "attn") is not None:
+        return "mlp"
+    if _find(envoy, "attn") is not None and (_find(envoy, "mlp") is not None or mlp_refusal(envoy) is not None):
+        return "layer"
     return None
 
 
+def transformers_point(envoy, name: str):
+    """The semantic point ``name`` of ``envoy`` on a transformers model, or ``None`` (see :mod:`.archs`)."""
+    if name == "logits":
+        return _logits_point(envoy) if envoy.parent is None else None
+    role = _role(envoy)
+    if name in MOE_NAMES:
+        made = moe_point(envoy, name)
+        if made is None and role == "mlp" and "experts" in submodules(envoy.module):
+            return _unavailable(envoy, name, f"the router of this MoE block ({type(envoy.module).__name__}) is not "
+                                "a softmax top-k router the MoE points know; use its router/gate and experts "
+                                "modules' .output")
+        return made
+    if name in LAYER_NAMES and role == "layer":
+        return _layer_point(envoy, name)
+    if name in ATTN_NAMES and role == "attn":
+        return _attn_point(envoy, name)
+    if name in MLP_NAMES and role == "mlp":
+        return _mlp_point(envoy, name)
+    return None
+
+
+def _layer_point(layer, name):
+    if name == "resid_pre":
+        return SemanticPoint(layer, name, layer.inputs, first_arg, with_first_arg)
+    if name == "resid_post":
+        return SemanticPoint(layer, name, layer.output, first_of, with_first)
+    site = resid_mid_site(layer, submodules(layer.module))
+    if isinstance(site, Refused):
+        return _unavailable(layer, name, site)
+    target = _find(layer, "mlp") if site == "mlp" else layer.child(site)
+    label = f"{layer.path}.resid_mid"
+    return SemanticPoint(layer, name, target.inputs, first_arg, copy_into_first_arg(label))
+
+
+def _heads(module):
+    cfg = getattr(module, "config", None) or {}
+    return int(getattr(cfg, "num_attention_heads", 0) or getattr(module, "num_heads", 0))
+
+
+def _attn_point(attn, name):
+    if name == "pattern":
+        before = out_projection(attn) if uses_interface(attn.module) else None
+        return PatternPoint(attn, before, arch_name(attn))
+    if name == "z":
+        site = z_site(attn)
+        out = attn.child(site) if site else out_projection(attn)
+        heads = _heads(attn.root.module)
+        if out is None or not heads:
+            return _unavailable(attn, name, "no output projection (o_proj / c_proj / dense / out_proj) found in the "
+                                "attention block; use the attention block's .output")
+        return SemanticPoint(attn, name, out.inputs, heads_in(heads), heads_in_write)
+    layout = qkv_layout(attn)
+    if isinstance(layout, Refused):
+        return _unavailable(attn, name, layout)
+    subs = submodules(attn.module)
+    hd = _head_dim(attn.module)
+    if layout is None:
+        proj = f"{name}_proj"
+        if proj not in subs:
+            return _unavailable(attn, name, f"no {proj} in {type(attn.module).__name__} and no fused q/k/v layout in "
+                                "asyncinterp.hooks.archs for this architecture; use attn.pattern / attn.z")
+        return SemanticPoint(attn, name, attn.child(proj).output, heads_view(hd), heads_write)
+    kind, fused = layout
+    fused_envoy = attn.child(fused)
+    heads = _heads(attn.root.module)
+    cfg = attn.root.module.config
+    i = "qkv".index(name)
+    if kind == "bigcode" and not getattr(cfg, "multi_query", True):
+        kind = "per_head"
+    if kind == "falcon":
+        kind = "falcon_mq" if getattr(cfg, "multi_query", False) else "per_head"
+    if kind in ("blocks", "blocks_equal", "bigcode"):
+        width = int(fused_envoy.module.weight.shape[0 if hasattr(fused_envoy.module, "in_features") else 1])
+        qw = width // 3 if kind == "blocks_equal" else heads * hd
+        kw = (width - qw) // 2
+        start, stop = [(0, qw), (qw, qw + kw), (qw + kw, width)][i]
+        select = _columns(start, stop, hd)
+    elif kind == "per_head":
+        select = _interleaved(heads, i, hd)
+    elif kind == "falcon_mq":
+        select = _head_rows([(0, heads), (heads, heads + 1), (heads + 1, heads + 2)][i], heads + 2, hd)
+    else:  # pragma: no cover - a table entry with an unknown layout
+        raise ValueError(f"unknown fused q/k/v layout {kind!r}")
+    return FusedPart(attn, name, fused_envoy, i, select)
+
+
+def _columns(start, stop, hd):
+    def select(t):
+        part = t[..., start:stop]
+        return part.view(*part.shape[:-1], -1, hd)
+    return select
+
+
+def _interleaved(heads, i, hd):
+    def select(t):
+        return t.view(*t.shape[:-1], heads, 3, hd)[..., i, :]
+    return select
+
+
+def _head_rows(span, total, hd):
+    def select(t):
+        return t.view(*t.shape[:-1], total, hd)[..., span[0]:span[1], :]
+    return select
+
+
+def heads_in(heads: int):
+    def read(inputs):
+        t = first_arg(inputs)
+        return t.view(*t.shape[:-1], heads, -1)
+    return read
+
+
+def heads_in_write(new, inputs):
+    old = first_arg(inputs)
+    if not isinstance(new, torch.Tensor):
+        raise ReplacementError(f"replacement must be a tensor, got {type(new).__name__}")
+    return with_first_arg(new.reshape(old.shape), inputs)
+
+
+def _mlp_point(mlp, name):
+    refusal = mlp_refusal(mlp)
+    if refusal is not None:
+        return _unavailable(mlp, name, refusal)
+    subs = submodules(mlp.module)
+    if "experts" in subs:
+        return _unavailable(mlp, name, "this layer's MLP is a sparse mixture of experts: there is no single "
+                            "activation. Use mlp.router / mlp.per_expert / mlp.routed (docs/moe.md)")
+    act = _find(mlp, *_ACT_NAMES)
+    site = mlp_post_site(mlp)
+    out = mlp.child(site) if site else _find(mlp, *_MLP_OUT)
+    if act is None or out is None:
+        return _unavailable(mlp, name, f"no activation module ({', '.join(_ACT_NAMES)}) or down projection found "
+                            f"in {type(mlp.module).__name__}; use the MLP's submodules' .input / .output")
+    if name == "pre":
+        return SemanticPoint(mlp, name, act.inputs, first_arg, with_first_arg)
+    return SemanticPoint(mlp, name, out.inputs, first_arg, with_first_arg)
+
+
 def _head_dim(module):
-    hd = getattr(module, "head_dim", None)
+    hd = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
     if hd is None:
         cfg = getattr(module, "config", None)
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return int(hd)
 
 
-def _qkv_point(envoy, name):
-    subs = submodules(envoy.module)
-    proj = f"{name}_proj"
-    if proj in subs:                                       # Llama family: separate projections
-        return SemanticPoint(envoy, name, envoy.child(proj).output, heads_view(_head_dim(envoy.module)), heads_write)
-    if "c_attn" in subs and not getattr(envoy.module, "is_cross_attention", False):   # GPT-2: fused [q | k | v]
-        width = int(envoy.module.split_size)
-        i = "qkv".index(name)
-        return FusedPart(envoy, name, envoy.child("c_attn"), i * width, (i + 1) * width, _head_dim(envoy.module))
-    return None
-
-
 class FusedPart(Point):
-    """q, k or v of a fused projection (GPT-2's ``c_attn`` output ``[q | k | v]``), a point of its own.
+    """q, k or v of a fused projection (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``...), a point of its own.
 
     The three parts of one output are three points (each awaited once per
     call, in the order q, k, v), fired from one forward hook on the fused
-    module that the first awaited part installs. Each invoke sees its rows of
-    the columns as ``[b, n, heads, d_head]`` (a live view: in-place edits
-    reach the model); a replacement is written back into those columns.
+    module that the first awaited part installs. ``select(t)`` is the part's
+    ``[b, n, heads, d_head]`` view of the fused output (its layout is stated
+    in :mod:`.archs`): each invoke sees its rows of that live view, so
+    in-place edits reach the model; a replacement is written back into it.
     """
 
-    __slots__ = ("owner", "label", "fused", "start", "stop", "position")
+    __slots__ = ("owner", "label", "fused", "index", "select", "position")
     kind_label = "semantic points"
 
-    def __init__(self, owner, name, fused, start, stop, head_dim):
-        self.key, self.gradient = self, None
-        self.read = lambda t: t.view(*t.shape[:-1], -1, head_dim)
+    def __init__(self, owner, name, fused, index, select):
+        self.key, self.gradient, self.order_cache = self, None, None
+        self.read = None
         self.write = lambda new, old: new.reshape(old.shape) if isinstance(new, torch.Tensor) else new
         self.owner = owner
         self.label = f"{owner.path}.{name}"
         self.fused = fused
-        self.start, self.stop = start, stop
+        self.index = index
+        self.select = select
         self.position = (fused.module, "output")
 
     def describe(self) -> str:
@@ -287,149 +394,73 @@ class FusedPart(Point):
                 t = first_of(output)
                 changed = None
                 for part in active:
-                    new = run.fire(part, t[..., part.start:part.stop])
+                    new = run.fire(part, part.select(t))
                     if new is not None:
                         if changed is None:
                             changed = t.clone()
-                        changed[..., part.start:part.stop] = new
+                        part.select(changed).copy_(new)
                         t = changed
                 return None if changed is None else with_first(changed, output)
             run.on_cleanup(add_forward_hook(module, hook))
             run.keep_ancestors(self.fused)
         if self not in active:
             active.append(self)
-            active.sort(key=lambda p: p.start)
+            active.sort(key=lambda p: p.index)
 
 
-# ----------------------------------------------------------------------------- attention pattern
+# ----------------------------------------------------------------------------- logits
 
 
-def _read_only_pattern(new, value):
-    raise ReplacementError(
-        "attn.pattern is read-only: it is recomputed from q, k and the mask for reading, and the model's own "
-        "attention kernel never materialises it. Edit attn.q / attn.k (or the attention output) instead")
+def _logits_point(root):
+    if _find(root, "lm_head") is None:
+        return None
+    return LogitsPoint(root)
 
 
-class PatternPoint(Point):
-    """``attn.pattern``: softmax(q k^T * scale + mask), ``[b, heads, n, n_ctx]``, computed when awaited.
+class LogitsPoint(Point):
+    """``m.logits`` in a trace: the last position of the logits the model *returns* (``[b, vocab]``).
 
-    Cost when awaited: three extra hooks on the attention block (its inputs,
-    its query and key projections), one ``[b, heads, n, n_ctx]`` matmul and
-    softmax per call (the model's own fused attention is untouched). It fires
-    after the attention block's output. Read-only.
+    Read from the model's output, so any final soft-cap or scale the model
+    applies after ``lm_head`` (Gemma-2's ``final_logit_softcapping``, Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``) is included: these are the
+    scores sampling uses. Fired from a forward hook on the model; an in-place
+    edit or a replacement changes the returned logits.
     """
 
-    __slots__ = ("envoy", "label", "position")
+    __slots__ = ("root", "label", "position")
     kind_label = "semantic points"
 
-    def __init__(self, envoy):
-        self.envoy = envoy
-        self.key, self.read, self.gradient = self, None, None
-        self.write = _read_only_pattern
-        self.label = f"{envoy.path}.pattern"
-        self.position = (envoy.module, "output")
+    def __init__(self, root):
+        self.key, self.read, self.gradient, self.order_cache = self, None, None, None
+        self.write = None
+        self.root = root
+        self.label = "logits"
+        self.position = (root.module, "output")
 
     def describe(self) -> str:
         return self.label
 
     def activate_in(self, run, task) -> None:
-        if self.envoy.root is not run.model:
-            raise PointUnavailableError(f"{self.label} belongs to another wrapped model")
-        done = run.state(PatternPoint, set)
-        if self in done:
-            return
-        done.add(self)
-        env = self.envoy
-        seen = {}
+        if self.root is not run.model:
+            raise PointUnavailableError("logits belongs to another wrapped model")
+        point = self
 
-        def capture(mod, args, kwargs, output):          # first of the block's forward hooks
-            if not run.in_adhoc_call:
-                seen["inputs"] = (args, kwargs)
-        run.on_cleanup(env.module.register_forward_hook(capture, with_kwargs=True, prepend=True))
-        subs = submodules(env.module)
-        if "q_proj" in subs:
-            run.tap(env.child("q_proj").output, lambda v: seen.__setitem__("q", first_of(v)))
-            run.tap(env.child("k_proj").output, lambda v: seen.__setitem__("k", first_of(v)))
-        else:
-            run.tap(env.child("c_attn").output, lambda v: seen.__setitem__("qkv", first_of(v)))
-
-        def at_output(_):
-            if "inputs" not in seen:
-                return
-            value = self.compute(run, seen)
-            seen.clear()
-            run.fire(self, value)
-        run.tap(env.output, at_output)
-
-    def compute(self, run, seen):
-        module = self.envoy.module
-        subs = submodules(module)
-        hd = _head_dim(module)
-        args, kwargs = seen["inputs"]
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if "q_proj" in subs:
-            # activated in the middle of the block's call: project again what was missed (no point fires)
-            q = seen["q"] if "q" in seen else run.call_adhoc(subs["q_proj"], (hidden,), {})
-            k = seen["k"] if "k" in seen else run.call_adhoc(subs["k_proj"], (hidden,), {})
-        else:
-            qkv = seen["qkv"] if "qkv" in seen else run.call_adhoc(subs["c_attn"], (hidden,), {})
-            width = int(module.split_size)
-            q, k = qkv[..., :width], qkv[..., width:2 * width]
-        dtype = q.dtype
-        q = q.reshape(*q.shape[:-1], -1, hd).transpose(1, 2)       # [b, h, n, d]
-        k = k.reshape(*k.shape[:-1], -1, hd).transpose(1, 2)       # [b, kv, n, d]
-        pos = kwargs.get("position_embeddings")
-        if pos is None and len(args) > 1 and isinstance(args[1], tuple):
-            pos = args[1]
-        if pos is not None:
-            rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
-            if rope is None:
-                raise PointUnavailableError(f"{self.label}: no apply_rotary_pos_emb next to {type(module).__name__}")
-            q, k = rope(q, k, *pos)
-        cache = kwargs.get("past_key_values")
-        if cache is None and len(args) > 1 and not isinstance(args[1], (tuple, torch.Tensor)):
-            cache = args[1]
-        layer_idx = getattr(module, "layer_idx", None)
-        if cache is not None and layer_idx is not None:
-            try:
-                keys = cache.layers[layer_idx].keys
-            except (AttributeError, IndexError, TypeError):
-                keys = None
-            if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[1] != k.shape[1]:
-                gather = getattr(run, "gather_heads", None)         # tensor parallel: the cache holds this rank's heads
-                keys = gather(keys) if gather is not None else None
-            if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] >= k.shape[-2]:
-                k = keys                                            # past + new keys, as attention used them
-        q, k = q.float(), k.float()
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scores = q @ k.transpose(-1, -2) * self._scale(module, hd)
-        n, n_ctx = scores.shape[-2], scores.shape[-1]
-        mask = kwargs.get("attention_mask")
-        if mask is None and len(args) > 2 and isinstance(args[2], torch.Tensor):
-            mask = args[2]
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-            mask = mask[..., -n:, -n_ctx:]
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            else:
-                scores = scores + mask.float()
-        else:                                                      # no mask given: causal
-            causal = torch.ones(n, n_ctx, dtype=torch.bool, device=scores.device).tril(n_ctx - n)
-            scores = scores.masked_fill(~causal, float("-inf"))
-        return scores.softmax(-1).to(dtype)
-
-    @staticmethod
-    def _scale(module, hd):
-        scale = getattr(module, "scaling", None)
-        if scale is not None:
-            return float(scale)
-        scale = 1.0
-        if getattr(module, "scale_attn_weights", True):
-            scale /= hd ** 0.5
-        if getattr(module, "scale_attn_by_inverse_layer_idx", False):
-            scale /= float(module.layer_idx + 1)
-        return scale
+        def hook(mod, args, output):
+            if run.in_adhoc_call:
+                return None
+            logits = getattr(output, "logits", None)
+            if not isinstance(logits, torch.Tensor):
+                raise PointUnavailableError(f"logits: {type(mod).__name__} returned no .logits "
+                                            f"({type(output).__name__}); use lm_head.output")
+            new = run.fire(point, logits[:, -1])
+            if new is None:
+                return None
+            full = logits.clone()
+            full[:, -1] = new
+            output.logits = full
+            return output
+        run.on_cleanup(add_forward_hook(self.root.module, hook))
+        run.install_point(self.root.output)     # after this hook: `await m.output` after `await m.logits` works
 
 
 register_semantic(transformers_point)

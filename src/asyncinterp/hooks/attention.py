@@ -1,0 +1,229 @@
+"""``attn.pattern`` from the attention the model really runs, on every transformers architecture.
+
+The pattern is not re-derived from projections (which misses q/k norms,
+soft-caps, partial rotary, NoPE layers, sliding windows, sinks...). It is
+taken where transformers' attention function receives the final q and k:
+
+* **attention-interface models** (almost all): while ``attn.pattern`` of a
+  block is awaited in a run, that block's ``config`` is a per-run proxy whose
+  ``_attn_implementation`` names :data:`KEY`, registered once in
+  ``ALL_ATTENTION_FUNCTIONS``. The block then calls :func:`_watched`, which
+  calls the implementation the model was using (sdpa, eager, ...) unchanged
+  for the output, and the model's own ``eager_attention_forward`` (same
+  module file, so its soft-cap, sinks and scaling) on the same q, k, mask and
+  keyword arguments for the probabilities. Only this block in this run is
+  touched; the proxy is removed when the run ends. Blocks nobody awaits never
+  see it, and no other call pays anything.
+* **older models that compute the weights themselves** (GPT-J, Falcon, BLOOM,
+  MPT): the block's ``output_attentions`` keyword is turned on for the call
+  and the weights it returns are the pattern.
+
+Fires before the block's output projection (position: its input). Read-only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+from ..kernel.errors import AsyncInterpError, ReplacementError
+from .modules import submodules
+from .points import Point
+
+__all__ = ["KEY", "PatternPoint", "uses_interface"]
+
+KEY = "asyncinterp_watched"
+_CONFIG_ATTR = "_attn_implementation"
+
+
+class PatternError(AsyncInterpError):
+    """The pattern of this attention block cannot be computed (the message says why)."""
+
+
+def _interface():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def uses_interface(module) -> bool:
+    """Whether ``module``'s class dispatches through transformers' attention interface."""
+    mod = sys.modules.get(type(module).__module__)
+    return (mod is not None and hasattr(mod, "ALL_ATTENTION_FUNCTIONS") and hasattr(mod, "eager_attention_forward")
+            and hasattr(module, "config") and "ALL_ATTENTION_FUNCTIONS" in _source(type(module)))
+
+
+_sources: dict = {}
+
+
+def _source(cls) -> str:
+    text = _sources.get(cls)
+    if text is None:
+        try:
+            text = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            text = ""
+        _sources[cls] = text
+    return text
+
+
+def _returns_weights(module) -> bool:
+    try:
+        return "output_attentions" in inspect.signature(module.forward).parameters or \
+            type(module).__name__.startswith("Mpt")
+    except (TypeError, ValueError):
+        return False
+
+
+class _WatchedConfig:
+    """A block's config during a run where its pattern is awaited: the same values, another attention function."""
+
+    def __init__(self, original, original_impl, on_call):
+        vars(self).update(original=original, original_impl=original_impl, on_call=on_call)
+        setattr(self, _CONFIG_ATTR, KEY)
+
+    def __getattr__(self, name):
+        return getattr(vars(self)["original"], name)
+
+
+def _eager_mask(mask, query, key, kwargs, module):
+    """The additive float mask the eager function expects, from what the running implementation was given."""
+    n, n_ctx = query.shape[-2], key.shape[-2]
+    if mask is None:
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        if not causal or n == 1:
+            return None
+        keep = torch.ones(n, n_ctx, dtype=torch.bool, device=query.device).tril(n_ctx - n)
+        mask = keep[None, None]
+    if not isinstance(mask, torch.Tensor):
+        raise PatternError(f"the attention mask is a {type(mask).__name__} (flex attention?); attn.pattern needs a "
+                           "tensor mask: run the model with attn_implementation='sdpa' or 'eager'")
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    return mask
+
+
+def _watched(module, query, key, value, attention_mask, *args, **kwargs):
+    """The attention function of a watched block: the real implementation, plus the probabilities for the point."""
+    cfg = module.config
+    state = vars(cfg)
+    impl = state["original_impl"]
+    mod = sys.modules[type(module).__module__]
+    eager = mod.eager_attention_forward
+    real = eager if impl in (None, "eager") else _interface()[impl]
+    state["on_call"](module, eager, query, key, value, attention_mask, args, kwargs)
+    return real(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _register() -> None:
+    iface = _interface()
+    if KEY not in iface:
+        type(iface).register(KEY, _watched)
+
+
+def _read_only(new, value):
+    raise ReplacementError(
+        "attn.pattern is read-only: the model's attention kernel never materialises it (it is computed for "
+        "reading from the q, k and mask the kernel received). Edit attn.q / attn.k or attn.z instead")
+
+
+class PatternPoint(Point):
+    """``attn.pattern`` of one attention block: ``[b, heads, n, n_ctx]`` probabilities (see module doc)."""
+
+    __slots__ = ("envoy", "label", "position", "before", "arch")
+    kind_label = "semantic points"
+
+    def __init__(self, envoy, before, arch: str):
+        self.envoy = envoy
+        self.key, self.read, self.gradient, self.order_cache = self, None, None, None
+        self.write = _read_only
+        self.label = f"{envoy.path}.pattern"
+        self.before = before          # the envoy of the output projection (fires before its input), or None
+        self.arch = arch
+        self.position = (before.module, "inputs") if before is not None else (envoy.module, "output")
+
+    def describe(self) -> str:
+        return self.label
+
+    def activate_in(self, run, task) -> None:
+        if self.envoy.root is not run.model:
+            raise PatternError(f"{self.label} belongs to another wrapped model")
+        done = run.state(PatternPoint, set)
+        if self in done:
+            return
+        done.add(self)
+        module = self.envoy.module
+        if uses_interface(module):
+            self._watch(run, module)
+        elif _returns_weights(module):
+            self._weights(run, module)
+        else:
+            raise PatternError(f"{self.label}: {self.arch}'s attention ({type(module).__name__}) neither uses "
+                               "transformers' attention interface nor returns its weights")
+
+    def _watch(self, run, module):
+        _register()
+        point = self
+
+        def on_call(mod, eager, query, key, value, mask, args, kwargs):
+            if run.in_adhoc_call or mod is not module:
+                return
+            kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "dropout")}
+            with torch.no_grad():
+                _, weights = eager(mod, query, key, value, _eager_mask(mask, query, key, kwargs, mod),
+                                   *args, dropout=0.0, **kw)
+            if weights is None:
+                raise PatternError(f"{point.label}: {type(mod).__name__}'s eager attention returned no weights")
+            heads = getattr(getattr(point.envoy.root.module, "config", None), "num_attention_heads", None)
+            gather = getattr(run, "gather_heads", None)        # tensor parallel: this rank's heads only
+            if gather is not None and heads and weights.shape[1] != heads:
+                weights = gather(weights)
+            run.fire(point, weights)
+
+        original = module.config
+        impl = getattr(original, _CONFIG_ATTR, None)
+        module.config = _WatchedConfig(original, impl, on_call)
+        run.on_cleanup(_Restore(module, original))
+        anchor = self.before if self.before is not None else self.envoy
+        run.keep_alive(self.envoy.module)
+        run.keep_ancestors(anchor)
+
+    def _weights(self, run, module):
+        point = self
+
+        def pre(mod, args, kwargs):
+            if run.in_adhoc_call or "output_attentions" not in inspect.signature(mod.forward).parameters:
+                return None
+            return args, {**kwargs, "output_attentions": True}
+
+        def post(mod, args, kwargs, output):
+            if run.in_adhoc_call:
+                return None
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if not isinstance(weights, torch.Tensor):
+                raise PatternError(f"{point.label}: {type(mod).__name__} returned no attention weights")
+            run.fire(point, weights)
+            return None
+        run.on_cleanup(module.register_forward_pre_hook(pre, with_kwargs=True))
+        run.on_cleanup(module.register_forward_hook(post, with_kwargs=True))
+        run.keep_ancestors(self.envoy)
+
+
+class _Restore:
+    def __init__(self, module, config):
+        self.module, self.config = module, config
+
+    def remove(self):
+        self.module.config = self.config
+
+
+def out_projection(attn_envoy):
+    """The output projection child of an attention block (``o_proj``, ``c_proj``, ``dense``, ``out_proj``...)."""
+    subs = submodules(attn_envoy.module)
+    for name in ("o_proj", "c_proj", "dense", "out_proj", "wo"):
+        if name in subs:
+            return attn_envoy.child(name)
+    return None
