@@ -41,12 +41,12 @@ STANDARD: dict[str, list[str]] = {
               "transformer.word_embeddings", "embed_tokens", "wte"],
     "pos_embed": ["transformer.wpe", "model.decoder.embed_positions", "wpe"],
     "final_norm": ["model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm",
-                   "transformer.norm_f", "norm", "ln_f"],
+                   "transformer.norm_f", "model.final_layernorm", "norm", "ln_f"],
     "lm_head": ["lm_head", "embed_out"],
     # layer level
     "attn": ["self_attn", "attn", "attention", "self_attention"],
     "mlp": ["mlp", "feed_forward", "ffn"],
-    "attn_norm": ["input_layernorm", "ln_1", "norm_1", "self_attn_layer_norm"],
+    "attn_norm": ["input_layernorm", "ln_1", "norm_1", "self_attn_layer_norm", "attention_layernorm"],
     "mlp_norm": ["post_attention_layernorm", "ln_2"],   # (where that is not the pre-MLP norm: hooks/archs.py)
     # attention / MLP level
     "out_proj": ["o_proj", "c_proj", "dense"],

@@ -28,8 +28,14 @@ from that check.
 
 from __future__ import annotations
 
-__all__ = ["ARCHS", "Refused", "facts", "arch_name", "resid_mid_site", "qkv_layout", "z_site", "mlp_post_site",
+from ..kernel.errors import AsyncInterpError
+
+__all__ = ["ARCHS", "Refused", "PointUnavailableError", "facts", "arch_name", "resid_mid_site", "qkv_layout", "z_site", "mlp_post_site",
            "alias_override"]
+
+
+class PointUnavailableError(AsyncInterpError):
+    """A semantic point that this engine (or this architecture) cannot provide; the message says what to use."""
 
 
 class Refused(str):
@@ -60,10 +66,11 @@ _POST_NORM = {"mid": "mlp", "mlp_norm": Refused(
 
 ARCHS: dict[str, dict] = {
     **{name: _LLAMA for name in (
-        "llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo", "helium", "arcee", "apertus",
+        "llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo", "helium", "arcee",
         "seed_oss", "ministral", "ernie4_5", "hunyuan_v1_dense", "nemotron", "starcoder2", "gemma", "glm4",
         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "phimoe", "gpt_oss", "llama4_text",
-        "deepseek_v2_dense", "minimax")},
+        "minimax")},
+    "apertus": {"mid": "feedforward_layernorm", "mlp_norm": "feedforward_layernorm"},
     "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "vaultgemma": {"mid": "pre_feedforward_layernorm"},
     "olmo2": _POST_NORM, "olmo3": _POST_NORM, "exaone4": _POST_NORM,
     "phi3": {"mid": "post_attention_layernorm", "qkv": ("blocks", "qkv_proj")},

@@ -11,7 +11,9 @@ taken where transformers' attention function receives the final q and k:
   calls the implementation the model was using (sdpa, eager, ...) unchanged
   for the output, and the model's own ``eager_attention_forward`` (same
   module file, so its soft-cap, sinks and scaling) on the same q, k, mask and
-  keyword arguments for the probabilities. Only this block in this run is
+  keyword arguments for the probabilities (under sdpa, torch's formula on
+  the same arguments: sdpa has no soft-cap, so none is applied, as in the
+  model). Only this block in this run is
   touched; the proxy is removed when the run ends. Blocks nobody awaits never
   see it, and no other call pays anything.
 * **older models that compute the weights themselves** (GPT-J, Falcon, BLOOM,
@@ -28,7 +30,8 @@ import sys
 
 import torch
 
-from ..kernel.errors import AsyncInterpError, ReplacementError
+from ..kernel.errors import ReplacementError
+from .archs import PointUnavailableError
 from .modules import submodules
 from .points import Point
 
@@ -38,7 +41,7 @@ KEY = "asyncinterp_watched"
 _CONFIG_ATTR = "_attn_implementation"
 
 
-class PatternError(AsyncInterpError):
+class PatternError(PointUnavailableError):
     """The pattern of this attention block cannot be computed (the message says why)."""
 
 
@@ -106,6 +109,24 @@ def _eager_mask(mask, query, key, kwargs, module):
     return mask
 
 
+def _sdpa_weights(module, query, key, mask, kwargs):
+    """softmax(q kᵀ · scale + mask) as ``sdpa_attention_forward`` has torch compute it (no soft-cap: sdpa has none)."""
+    scaling = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    if key.shape[1] != query.shape[1]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
+    if kwargs.get("position_bias") is not None:
+        scores = scores + kwargs["position_bias"].float()
+    add = _eager_mask(mask, query, key, kwargs, module)
+    if add is not None:
+        if add.dtype == torch.bool:
+            scores = scores.masked_fill(~add, float("-inf"))
+        else:
+            scores = scores + add[..., :scores.shape[-1]].float()
+    return scores.softmax(-1).to(query.dtype)
+
+
 def _watched(module, query, key, value, attention_mask, *args, **kwargs):
     """The attention function of a watched block: the real implementation, plus the probabilities for the point."""
     cfg = module.config
@@ -171,10 +192,18 @@ class PatternPoint(Point):
         def on_call(mod, eager, query, key, value, mask, args, kwargs):
             if run.in_adhoc_call or mod is not module:
                 return
-            kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "dropout")}
+            impl = vars(mod.config)["original_impl"]
             with torch.no_grad():
-                _, weights = eager(mod, query, key, value, _eager_mask(mask, query, key, kwargs, mod),
-                                   *args, dropout=0.0, **kw)
+                if impl in (None, "eager"):              # the model's own eager function: exactly its weights
+                    kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "dropout")}
+                    _, weights = eager(mod, query, key, value, _eager_mask(mask, query, key, kwargs, mod),
+                                       *args, dropout=0.0, **kw)
+                elif impl == "sdpa":                     # what torch's sdpa computes from these arguments
+                    weights = _sdpa_weights(mod, query, key, mask, kwargs)
+                else:
+                    raise PatternError(f"{point.label}: the model runs attn_implementation={impl!r}, whose "
+                                       "probabilities asyncinterp does not reproduce; load it with "
+                                       "attn_implementation='sdpa' or 'eager' to read attn.pattern")
             if weights is None:
                 raise PatternError(f"{point.label}: {type(mod).__name__}'s eager attention returned no weights")
             heads = getattr(getattr(point.envoy.root.module, "config", None), "num_attention_heads", None)
@@ -193,6 +222,12 @@ class PatternPoint(Point):
 
     def _weights(self, run, module):
         point = self
+        impl = getattr(getattr(module, "config", None), _CONFIG_ATTR, None)
+        if impl not in (None, "eager"):
+            raise PatternError(f"{self.label}: {self.arch}'s attention ({type(module).__name__}) only computes its "
+                               f"weights on its eager path, and this model runs attn_implementation={impl!r} "
+                               "(turning the weights on would change what it computes); load the model with "
+                               "attn_implementation='eager' to read attn.pattern")
 
         def pre(mod, args, kwargs):
             if run.in_adhoc_call or "output_attentions" not in inspect.signature(mod.forward).parameters:

@@ -340,6 +340,11 @@ class Envoy:
             f"cannot set {name!r} on envoy {self.path or '<root>'}: only hook points "
             f"(e.g. .output, .input) can be assigned, inside an intervention")
 
+    def __await__(self):
+        path = self.path or "the model"
+        raise TypeError(f"`await {path}`: {path} is a module ({type(self.module).__name__}), not a hook point; "
+                        f"await {path}.output or {path}.input")
+
     def __getitem__(self, index):
         if type(index) is int and index >= 0:  # ModuleList/Sequential: children are named "0", "1", ...
             child = self._children.get(str(index))

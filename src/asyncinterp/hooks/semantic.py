@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..kernel.errors import AsyncInterpError, ReplacementError
-from .archs import Refused, arch_name, mlp_post_site, mlp_refusal, qkv_layout, resid_mid_site, z_site
+from .archs import PointUnavailableError, Refused, arch_name, mlp_post_site, mlp_refusal, qkv_layout, resid_mid_site, z_site
 from .attention import PatternPoint, out_projection, uses_interface
 from .envoy import SEMANTIC_NAMES, HookPoint, register_semantic
 from .moe import MOE_NAMES, moe_point
@@ -45,10 +45,6 @@ MLP_NAMES = ("pre", "post")
 ROOT_NAMES = ("logits",)
 NAMES = frozenset(LAYER_NAMES + ATTN_NAMES + MLP_NAMES + ROOT_NAMES + MOE_NAMES)
 assert NAMES == SEMANTIC_NAMES
-
-
-class PointUnavailableError(AsyncInterpError):
-    """A semantic point that this engine (or this architecture) cannot provide; the message says what to use."""
 
 
 class SemanticPoint(HookPoint):
@@ -196,7 +192,8 @@ def _unavailable(envoy, name, reason):
 def _role(envoy):
     """``"layer"``, ``"attn"``, ``"mlp"`` or ``None``: what ``envoy`` is in a decoder (by its parent's standard names)."""
     parent = envoy.parent
-    if parent is not None and _find(parent, "attn") is envoy and _find(parent, "mlp") is not None:
+    if parent is not None and _find(parent, "attn") is envoy and (
+            _find(parent, "mlp") is not None or mlp_refusal(parent) is not None):
         return "attn"
     if parent is not None and _find(parent, "mlp") is envoy and _find(parent, "attn") is not None:
         return "mlp"
