@@ -81,7 +81,7 @@ ARCHITECTURES: dict[str, dict] = {
     "stablelm": dict(partial_rotary_factor=0.25, use_parallel_residual=True, qk_layernorm=True),
     "mpt": dict(attn_config={"alibi": True}, expansion_ratio=2, max_seq_len=64),
     "gpt2": dict(n_positions=64), "helium": {}, "ernie4_5": {}, "seed_oss": {}, "arcee": {}, "apertus": {},
-    "ministral": dict(sliding_window=4), "hunyuan_v1_dense": {}, "nemotron": {},
+    "ministral": dict(sliding_window=4), "hunyuan_v1_dense": {}, "nemotron": {}, "bitnet": {}, "afmoe": {},
 }
 
 #: config keys of COMMON an architecture computes itself (setting them fails)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from ..kernel.errors import AsyncInterpError
 
-__all__ = ["ARCHS", "Refused", "PointUnavailableError", "facts", "arch_name", "resid_mid_site", "qkv_layout", "z_site", "mlp_post_site",
+__all__ = ["ARCHS", "Refused", "PointUnavailableError", "facts", "arch_name", "resid_mid_site", "qkv_layout", "z_site", "mlp_refusal",
            "alias_override"]
 
 
@@ -54,7 +54,7 @@ _MLA = Refused("multi-head latent attention: q and k are assembled from compress
 #:        ("parallel_if", config attribute) (parallel when true, else the "norm" given) | a Refused
 #:   norm: the child for ("parallel_if", ...) when not parallel
 #:   qkv: (layout, fused child of the attention) | a Refused; absent: q_proj / k_proj / v_proj
-#:   z: the attention child whose input is z (absent: the output projection found by name)
+#:   z: for blocks that do not call transformers' attention interface: the child whose input is z
 #:   mlp_norm: what the standard name layers[i].mlp_norm means (a child name, or a Refused)
 #:   mlp: a Refused for mlp.pre / mlp.post
 _LLAMA: dict = {"mid": "post_attention_layernorm"}
@@ -83,17 +83,17 @@ ARCHS: dict[str, dict] = {
                  "qkv": ("per_head", "query_key_value")},
     "stablelm": {"mid": ("parallel_if", "use_parallel_residual"), "norm": "post_attention_layernorm"},
     "falcon": {"mid": ("parallel_if", "falcon_parallel"), "norm": "post_attention_layernorm",
-               "qkv": ("falcon", "query_key_value")},
-    "bloom": {"mid": "post_attention_layernorm", "qkv": ("per_head", "query_key_value")},
-    "mpt": {"mid": "norm_2", "mlp_norm": "norm_2", "qkv": ("blocks_equal", "Wqkv")},
-    "gptj": {"mid": _PARALLEL}, "codegen": {"mid": _PARALLEL},
+               "qkv": ("falcon", "query_key_value"), "z": "dense"},
+    "bloom": {"mid": "post_attention_layernorm", "qkv": ("per_head", "query_key_value"), "z": "dense"},
+    "mpt": {"mid": "norm_2", "mlp_norm": "norm_2", "qkv": ("blocks_equal", "Wqkv"), "z": "out_proj"},
+    "gptj": {"mid": _PARALLEL, "z": "out_proj"},
     "phi": {"mid": _PARALLEL}, "cohere": {"mid": _PARALLEL}, "cohere2": {"mid": _PARALLEL},
     "opt": {"mid": Refused("OPT flattens the stream to [b*n, d] before its MLP norm (final_layer_norm), so that "
                            "input is not per batch row; use layers[i].resid_pre + layers[i].attn.output "
                            "(or layers[i].resid_post - the fc2 output)"),
             "mlp": Refused("OPT has no MLP module: fc1, activation_fn and fc2 sit on the layer and see the stream "
                            "flattened to [b*n, d]; use layers[i].fc1.output / layers[i].fc2.input (flat rows)")},
-    "bitnet": {"mid": "post_attention_layernorm", "z": "attn_sub_norm"},
+    "bitnet": {"mid": "post_attention_layernorm"},
 }
 
 _LLAMA_SHAPE = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
@@ -149,12 +149,8 @@ def qkv_layout(attn):
 
 
 def z_site(attn) -> str | None:
-    """The attention child whose input is ``attn.z`` when the table says (else found by name)."""
+    """The attention child whose input is ``attn.z``, for blocks without the attention interface (else ``None``)."""
     return (facts(attn) or {}).get("z")
-
-
-def mlp_post_site(mlp) -> str | None:
-    return (facts(mlp) or {}).get("post")
 
 
 def mlp_refusal(layer_or_mlp):

@@ -35,7 +35,7 @@ from .archs import PointUnavailableError
 from .modules import submodules
 from .points import Point
 
-__all__ = ["KEY", "PatternPoint", "uses_interface"]
+__all__ = ["KEY", "PatternPoint", "ZPoint", "uses_interface", "watch_of"]
 
 KEY = "asyncinterp_watched"
 _CONFIG_ATTR = "_attn_implementation"
@@ -82,8 +82,8 @@ def _returns_weights(module) -> bool:
 class _WatchedConfig:
     """A block's config during a run where its pattern is awaited: the same values, another attention function."""
 
-    def __init__(self, original, original_impl, on_call):
-        vars(self).update(original=original, original_impl=original_impl, on_call=on_call)
+    def __init__(self, original, watch):
+        vars(self).update(original=original, watch=watch)
         setattr(self, _CONFIG_ATTR, KEY)
 
     def __getattr__(self, name):
@@ -128,15 +128,82 @@ def _sdpa_weights(module, query, key, mask, kwargs):
 
 
 def _watched(module, query, key, value, attention_mask, *args, **kwargs):
-    """The attention function of a watched block: the real implementation, plus the probabilities for the point."""
-    cfg = module.config
-    state = vars(cfg)
-    impl = state["original_impl"]
-    mod = sys.modules[type(module).__module__]
-    eager = mod.eager_attention_forward
+    """The attention function of a watched block: the real implementation, with the block's points around it."""
+    watch = vars(module.config)["watch"]
+    impl = watch.impl
+    eager = sys.modules[type(module).__module__].eager_attention_forward
     real = eager if impl in (None, "eager") else _interface()[impl]
-    state["on_call"](module, eager, query, key, value, attention_mask, args, kwargs)
-    return real(module, query, key, value, attention_mask, *args, **kwargs)
+    if watch.run.in_adhoc_call:
+        return real(module, query, key, value, attention_mask, *args, **kwargs)
+    if watch.pattern is not None:
+        watch.fire_pattern(module, eager, query, key, value, attention_mask, args, kwargs)
+    out = real(module, query, key, value, attention_mask, *args, **kwargs)
+    if watch.z is not None:
+        out = watch.fire_z(out)
+    return out
+
+
+class _Watch:
+    """One attention block in one run: its points fired from the attention function (pattern before, z after)."""
+
+    def __init__(self, run, module, impl):
+        self.run, self.module, self.impl = run, module, impl
+        self.pattern = None
+        self.z = None
+
+    def fire_pattern(self, mod, eager, query, key, value, mask, args, kwargs):
+        point, impl = self.pattern, self.impl
+        with torch.no_grad():
+            if impl in (None, "eager"):              # the model's own eager function: exactly its weights
+                kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "dropout")}
+                _, weights = eager(mod, query, key, value, _eager_mask(mask, query, key, kwargs, mod),
+                                   *args, dropout=0.0, **kw)
+            elif impl == "sdpa":                     # what torch's sdpa computes from these arguments
+                weights = _sdpa_weights(mod, query, key, mask, kwargs)
+            else:
+                raise PatternError(f"{point.label}: the model runs attn_implementation={impl!r}, whose "
+                                   "probabilities asyncinterp does not reproduce; load it with "
+                                   "attn_implementation='sdpa' or 'eager' to read attn.pattern")
+        if weights is None:
+            raise PatternError(f"{point.label}: {type(mod).__name__}'s eager attention returned no weights")
+        heads = _heads(point.envoy)
+        gather = getattr(self.run, "gather_heads", None)        # tensor parallel: this rank's heads only
+        if gather is not None and heads and weights.shape[1] != heads:
+            weights = gather(weights)
+        self.run.fire(point, weights)
+
+    def fire_z(self, out):
+        point = self.z
+        z = out[0] if isinstance(out, tuple) else out
+        heads = _heads(point.envoy)
+        if heads and z.shape[2] != heads:
+            raise PatternError(f"{point.label}: the attention function returned {z.shape[2]} heads of {heads} "
+                               "(tensor parallel shards?); read the output projection's .input instead")
+        new = self.run.fire(point, z)
+        if new is None:
+            return out
+        return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
+
+
+def _heads(envoy):
+    return getattr(getattr(envoy.root.module, "config", None), "num_attention_heads", None)
+
+
+def watch_of(run, envoy):
+    """The :class:`_Watch` of attention block ``envoy`` in ``run``, installed on first use (see module doc)."""
+    watches = run.state(_Watch, dict)
+    module = envoy.module
+    watch = watches.get(module)
+    if watch is None:
+        _register()
+        original = module.config
+        watch = watches[module] = _Watch(run, module, getattr(original, _CONFIG_ATTR, None))
+        module.config = _WatchedConfig(original, watch)
+        run.on_cleanup(_Restore(module, original))
+        out = out_projection(envoy)            # the block and every ancestor take the hooked path (lazy hooks)
+        run.keep_ancestors(out if out is not None else envoy)
+        run.keep_alive(module)
+    return watch
 
 
 def _register() -> None:
@@ -186,39 +253,7 @@ class PatternPoint(Point):
                                "transformers' attention interface nor returns its weights")
 
     def _watch(self, run, module):
-        _register()
-        point = self
-
-        def on_call(mod, eager, query, key, value, mask, args, kwargs):
-            if run.in_adhoc_call or mod is not module:
-                return
-            impl = vars(mod.config)["original_impl"]
-            with torch.no_grad():
-                if impl in (None, "eager"):              # the model's own eager function: exactly its weights
-                    kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "dropout")}
-                    _, weights = eager(mod, query, key, value, _eager_mask(mask, query, key, kwargs, mod),
-                                       *args, dropout=0.0, **kw)
-                elif impl == "sdpa":                     # what torch's sdpa computes from these arguments
-                    weights = _sdpa_weights(mod, query, key, mask, kwargs)
-                else:
-                    raise PatternError(f"{point.label}: the model runs attn_implementation={impl!r}, whose "
-                                       "probabilities asyncinterp does not reproduce; load it with "
-                                       "attn_implementation='sdpa' or 'eager' to read attn.pattern")
-            if weights is None:
-                raise PatternError(f"{point.label}: {type(mod).__name__}'s eager attention returned no weights")
-            heads = getattr(getattr(point.envoy.root.module, "config", None), "num_attention_heads", None)
-            gather = getattr(run, "gather_heads", None)        # tensor parallel: this rank's heads only
-            if gather is not None and heads and weights.shape[1] != heads:
-                weights = gather(weights)
-            run.fire(point, weights)
-
-        original = module.config
-        impl = getattr(original, _CONFIG_ATTR, None)
-        module.config = _WatchedConfig(original, impl, on_call)
-        run.on_cleanup(_Restore(module, original))
-        anchor = self.before if self.before is not None else self.envoy
-        run.keep_alive(self.envoy.module)
-        run.keep_ancestors(anchor)
+        watch_of(run, self.envoy).pattern = self
 
     def _weights(self, run, module):
         point = self
@@ -245,6 +280,31 @@ class PatternPoint(Point):
         run.on_cleanup(module.register_forward_pre_hook(pre, with_kwargs=True))
         run.on_cleanup(module.register_forward_hook(post, with_kwargs=True))
         run.keep_ancestors(self.envoy)
+
+
+class ZPoint(Point):
+    """``attn.z``: what the attention function returned, ``[b, n, heads, d_head]``, before the output projection.
+
+    Fired right after transformers' attention function (sdpa, eager...) returns, from the same per-run hook as
+    ``pattern`` (see module doc); editable in place or by replacement (TransformerLens's ``hook_z``).
+    """
+
+    __slots__ = ("envoy", "label", "position")
+    kind_label = "semantic points"
+
+    def __init__(self, envoy, before):
+        self.envoy = envoy
+        self.key, self.read, self.write, self.gradient, self.order_cache = self, None, None, None, None
+        self.label = f"{envoy.path}.z"
+        self.position = (before.module, "inputs") if before is not None else (envoy.module, "output")
+
+    def describe(self) -> str:
+        return self.label
+
+    def activate_in(self, run, task) -> None:
+        if self.envoy.root is not run.model:
+            raise PatternError(f"{self.label} belongs to another wrapped model")
+        watch_of(run, self.envoy).z = self
 
 
 class _Restore:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from ..kernel.errors import AsyncInterpError, ReplacementError
-from .archs import PointUnavailableError, Refused, arch_name, mlp_post_site, mlp_refusal, qkv_layout, resid_mid_site, z_site
-from .attention import PatternPoint, out_projection, uses_interface
+from .archs import PointUnavailableError, Refused, arch_name, facts, mlp_refusal, qkv_layout, resid_mid_site, z_site
+from .attention import PatternPoint, ZPoint, out_projection, uses_interface
 from .envoy import SEMANTIC_NAMES, HookPoint, register_semantic
 from .moe import MOE_NAMES, moe_point
 from .modules import add_forward_hook, submodules
@@ -247,6 +247,12 @@ def _attn_point(attn, name):
         return PatternPoint(attn, before, arch_name(attn))
     if name == "z":
         site = z_site(attn)
+        if site is None and uses_interface(attn.module):
+            return ZPoint(attn, out_projection(attn))
+        if site is None and facts(attn) is None:
+            return _unavailable(attn, name, "this attention block does not use transformers' attention interface "
+                                "and its output projection is not verified in asyncinterp.hooks.archs; use the "
+                                "output projection's .input")
         out = attn.child(site) if site else out_projection(attn)
         heads = _heads(attn.root.module)
         if out is None or not heads:
@@ -330,8 +336,7 @@ def _mlp_point(mlp, name):
         return _unavailable(mlp, name, "this layer's MLP is a sparse mixture of experts: there is no single "
                             "activation. Use mlp.router / mlp.per_expert / mlp.routed (docs/moe.md)")
     act = _find(mlp, *_ACT_NAMES)
-    site = mlp_post_site(mlp)
-    out = mlp.child(site) if site else _find(mlp, *_MLP_OUT)
+    out = _find(mlp, *_MLP_OUT)
     if act is None or out is None:
         return _unavailable(mlp, name, f"no activation module ({', '.join(_ACT_NAMES)}) or down projection found "
                             f"in {type(mlp.module).__name__}; use the MLP's submodules' .input / .output")
