@@ -403,38 +403,58 @@ def _close(a, b):
 
 
 def edit(model, net, model_type, column):
-    """(ours, reference) logits after adding the same delta at layer 1's ``column`` (in place / a torch hook)."""
+    """(ours, reference) logits after adding the same delta at layer 1's ``column`` (in place / by hand).
+
+    The reference adds the delta with a torch forward hook on the layer (``resid_post``), or to what the eager
+    attention function returns for layer 1's block (``z``; a pre-hook on the output projection for blocks that do
+    not use the attention interface).
+    """
     ids = torch.randint(3, VOCAB, (2, N), generator=torch.Generator().manual_seed(5))
     layer = _layers(net)[1]
     gen = torch.Generator().manual_seed(7)
-
-    async def fn(m):
-        x = await (m.layers[1].resid_post if column == "resid_post" else m.layers[1].attn.z)
-        x += delta.view(x.shape)
-        return (await m.output).logits[:, -1].clone()
-
+    _, attn = _child_by_class(layer, "Attention")
+    delta = None
+    undo = []
     if column == "resid_post":
         delta = torch.randn(2, N, WIDTH, generator=gen)
 
         def hook(mod, args, out):
             new = _first(out) + delta
             return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
-        handle = layer.register_forward_hook(hook)
-    else:
-        _, attn = _child_by_class(layer, "Attention")
-        name = OUT_PROJ.get(model_type) or next(n for n in ("o_proj", "c_proj", "dense", "out_proj", "wo")
-                                                 if hasattr(attn, n))
-        if model_type == "bitnet":
-            name = "attn_sub_norm"
-        proj = getattr(attn, name)
+        undo.append(layer.register_forward_hook(hook).remove)
+    elif model_type in OUT_PROJ:                   # no attention interface: z is the output projection's input
+        proj = getattr(attn, OUT_PROJ[model_type])
         width = proj.in_features if hasattr(proj, "in_features") else proj.weight.shape[0]
         delta = torch.randn(2, N, width, generator=gen)
-        handle = proj.register_forward_pre_hook(lambda mod, args: (args[0] + delta,) + tuple(args[1:]))
+        undo.append(proj.register_forward_pre_hook(lambda mod, args: (args[0] + delta,) + tuple(args[1:])).remove)
+    else:                                          # z is what the attention function returns
+        mod = sys.modules[type(attn).__module__]
+        original = mod.eager_attention_forward
+
+        def spy(module, *args, **kwargs):
+            nonlocal delta
+            out = original(module, *args, **kwargs)
+            if module is not attn:
+                return out
+            if delta is None:
+                delta = torch.randn(out[0].shape, generator=gen)
+            return (out[0] + delta,) + tuple(out[1:])
+        impl = net.config._attn_implementation
+        _set_eager(net)
+        mod.eager_attention_forward = spy
+        undo.append(lambda: setattr(mod, "eager_attention_forward", original))
+        undo.append(lambda: _set_sdpa(net, impl))
     try:
         with torch.no_grad():
             want = net(ids).logits[:, -1].clone()
     finally:
-        handle.remove()
+        for fn in undo:
+            fn()
+
+    async def fn(m):
+        x = await (m.layers[1].resid_post if column == "resid_post" else m.layers[1].attn.z)
+        x += delta.view(x.shape)
+        return (await m.output).logits[:, -1].clone()
     got = model.trace(ids, fn)
     return got, want
 

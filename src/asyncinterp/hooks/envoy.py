@@ -309,6 +309,10 @@ class Envoy:
         where = self.path or type(self.module).__name__
         if isinstance(said, Refused):
             return ModulePathError(f"{where} has no {name!r} in architecture {arch_name(self)!r}: {said}")
+        if name in ("router", "per_expert", "routed"):
+            return ModulePathError(
+                f"{where} has no {name!r}: it is not a sparse mixture-of-experts block (router / per_expert / "
+                f"routed exist on those only); its output is {where}.output")
         if name in SEMANTIC_NAMES:
             return ModulePathError(
                 f"{where} has no semantic point {name!r}: resid_pre/resid_mid/resid_post live on a decoder layer "
