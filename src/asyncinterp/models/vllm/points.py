@@ -601,6 +601,9 @@ def vllm_semantic_point(root, envoy, name):
         return sem.SemanticPoint(envoy, name, norm.inputs, fold_args, unfold_args(label, 0))
     if name in ("q", "k", "v") and "qkv_proj" in subs:
         return QKVPart(envoy, name, envoy.child("qkv_proj"))
+    if name == "z" and "qkv_proj" in subs:
+        return sem.UnavailablePoint(f"{envoy.path}.z", "attn.z is not given on vLLM yet (its attention writes the "
+                                    "heads into a flat [tokens, heads * d_head] buffer); read o_proj.input")
     if name == "pattern" and "qkv_proj" in subs:
         if "attn" not in subs:
             return sem.UnavailablePoint(f"{envoy.path}.pattern", "this attention block has no inner `attn` op")
