@@ -42,13 +42,19 @@ NOT_COVERED = [
      "aria_text emu3 fuyu gemma3 gemma3n gemma3n_text gemma4 gemma4_assistant gemma4_text gemma4_unified "
      "gemma4_unified_assistant gemma4_unified_text git got_ocr2 llama4 mllama moshi musicgen musicgen_melody "
      "phi4_multimodal qwen4_exp qwen4_exp_text minimax_m3_vl_text cohere_compass_text inkling_text"),
-    ("decoder-only, not in this matrix yet (not attempted in this round; an architecture not in "
-     "asyncinterp.hooks.archs gets resid_mid refused as unverified, never guessed)",
-     "axk1 axk2 biogpt blt codegen cohere2_moe cpmant ctrl cwm dbrx deepseek_v32 deepseek_v4 diffllama doge "
-     "dots1 ernie4_5_moe exaone_moe flex_olmo glm4_moe glm4_moe_lite glm_moe_dsa gpt-sw3 gpt_neo "
-     "gpt_neox_japanese granite_swa granitemoe_swa granitemoeshared hrm_text hunyuan_v1_moe hy_v3 hy_v4 "
-     "hyperclovax jais2 jetmoe laguna longcat_flash mellum mimo_v2_flash minicpm3 minimax minimax_m2 "
-     "ministral3 nanochat openai-gpt persimmon reformer solar_open xglm youtu zaya"),
+    ("decoder-only, tried in this round and left out: the tiny build fails with these settings (axk1, axk2, "
+     "codegen, dbrx, deepseek_v32, dots1, glm4_moe_lite, gpt_neo, longcat_flash, openai-gpt, youtu), the "
+     "layers are not under a name the standard names know (biogpt, ctrl, gpt_neox_japanese, xglm: every point "
+     "is a clear error there), the reference's residual formula does not fit (doge, minimax: scaled residual "
+     "branches), or resid_mid / fused q/k/v are refused as not verified (cohere2_moe, flex_olmo, granitemoe_swa, "
+     "granitemoeshared, hyperclovax, jetmoe, persimmon, zaya). nanochat calls its final norm module twice "
+     "(after the embedding too), so `final_norm.output` is its first call there: use `.next()` or read "
+     "`lm_head.input`",
+     "axk1 axk2 biogpt codegen cohere2_moe ctrl dbrx deepseek_v32 doge dots1 flex_olmo glm4_moe_lite gpt_neo "
+     "gpt_neox_japanese granitemoe_swa granitemoeshared hyperclovax jetmoe longcat_flash minimax nanochat "
+     "openai-gpt persimmon xglm youtu zaya"),
+    ("decoder-only, not attempted", "blt cpmant deepseek_v4 glm_moe_dsa gpt-sw3 hrm_text hunyuan_v1_moe hy_v4 "
+     "minicpm3"),
 ]
 
 

@@ -37,6 +37,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=FFN, num_hi
               num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM, max_position_embeddings=64,
               pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+_FEW = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 _QMOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
              mlp_only_layers=[0], norm_topk_prob=True)
 
@@ -81,7 +82,14 @@ ARCHITECTURES: dict[str, dict] = {
     "stablelm": dict(partial_rotary_factor=0.25, use_parallel_residual=True, qk_layernorm=True),
     "mpt": dict(attn_config={"alibi": True}, expansion_ratio=2, max_seq_len=64),
     "gpt2": dict(n_positions=64), "helium": {}, "ernie4_5": {}, "seed_oss": {}, "arcee": {}, "apertus": {},
-    "ministral": dict(sliding_window=4), "hunyuan_v1_dense": {}, "nemotron": {}, "bitnet": {}, "afmoe": {},
+    "ministral": dict(sliding_window=4), "hunyuan_v1_dense": {}, "nemotron": {}, "bitnet": {},
+    "cwm": dict(sliding_window=4), "granite_swa": {}, "jais2": {}, "ministral3": {}, "diffllama": {},
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1),
+    "exaone_moe": dict(_FEW, num_experts=4, num_shared_experts=1), "glm4_moe": dict(_FEW, n_routed_experts=4),
+    "laguna": dict(_FEW, num_experts=4, shared_expert_intermediate_size=32), "mellum": dict(_FEW, **_MOE),
+    "minimax_m2": dict(_FEW, **_MOE), "solar_open": dict(_FEW, n_routed_experts=4),
+    "hy_v3": dict(_FEW, num_experts=4), "mimo_v2_flash": dict(_FEW, n_routed_experts=4),
+    "afmoe": dict(_FEW, num_experts=4, num_shared_experts=1),
 }
 
 #: config keys of COMMON an architecture computes itself (setting them fails)

@@ -65,8 +65,10 @@ def test_edits_of_resid_post_and_z_equal_a_hand_written_hook_everywhere(matrix):
     for name, cells in matrix.items():
         if "build" in cells:
             continue
-        for col in am.EDITS:
-            assert cells[col]["status"] == "ok", (name, col, cells[col])
+        assert cells["edit resid_post"]["status"] == "ok", (name, cells["edit resid_post"])
+        z = cells["edit attn.z"]
+        # the z edit is made wherever attn.z is given (it is refused, with its reason, on differential attention)
+        assert z["status"] == "ok" or (z["status"] == "skipped" and cells["attn.z"]["status"] == "refused"), (name, z)
 
 
 def test_docs_architectures_md_is_what_the_code_gives(matrix):

@@ -28,6 +28,8 @@ from that check.
 
 from __future__ import annotations
 
+import inspect
+
 from ..kernel.errors import AsyncInterpError
 
 __all__ = ["ARCHS", "Refused", "PointUnavailableError", "facts", "arch_name", "resid_mid_site", "qkv_layout", "z_site", "mlp_refusal",
@@ -69,7 +71,8 @@ ARCHS: dict[str, dict] = {
         "llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo", "helium", "arcee",
         "seed_oss", "ministral", "ernie4_5", "hunyuan_v1_dense", "nemotron", "starcoder2", "gemma", "glm4",
         "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "phimoe", "gpt_oss", "llama4_text",
-        "minimax")},
+        "cwm", "ernie4_5_moe", "exaone_moe", "glm4_moe", "granite_swa", "jais2", "laguna", "mellum", "minimax_m2",
+        "ministral3", "solar_open", "hy_v3", "mimo_v2_flash", "diffllama")},
     "apertus": {"mid": "feedforward_layernorm", "mlp_norm": "feedforward_layernorm"},
     "gemma2": _GEMMA2, "gemma3_text": _GEMMA2, "vaultgemma": {"mid": "pre_feedforward_layernorm"},
     "olmo2": _POST_NORM, "olmo3": _POST_NORM, "exaone4": _POST_NORM,
@@ -119,7 +122,8 @@ def resid_mid_site(layer, children: dict):
     entry = facts(layer)
     if entry is None:
         names = set(children)
-        if _LLAMA_SHAPE <= names and not any("norm" in n for n in names - _LLAMA_SHAPE):
+        if (_LLAMA_SHAPE <= names and not any("norm" in n for n in names - _LLAMA_SHAPE)
+                and _adds_before_norm(type(layer.module))):
             return "post_attention_layernorm"
         return Refused(f"the residual layout of architecture {arch_name(layer)!r} is not verified (not in "
                        "asyncinterp.hooks.archs.ARCHS), so resid_mid is not guessed; use layers[i].resid_pre, "
@@ -130,6 +134,24 @@ def resid_mid_site(layer, children: dict):
         parallel = _falcon_parallel(cfg) if mid[1] == "falcon_parallel" else bool(getattr(cfg, mid[1], False))
         return _PARALLEL if parallel else entry["norm"]
     return mid
+
+
+def _adds_before_norm(cls) -> bool:
+    """Whether ``cls.forward`` adds the attention output to the residual before ``post_attention_layernorm``.
+
+    The Llama order (``h = residual + h; residual = h; h = self.post_attention_layernorm(h)``), read from the
+    source of a layer class that is not in the table: a post-norm layer (the norm applied to the attention
+    output before the add, as OLMo-2 does) fails it, and its resid_mid is refused instead of guessed.
+    """
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    attn = src.find("self.self_attn(")
+    norm = src.find("self.post_attention_layernorm(", attn)
+    adds = [i for i in (src.find("residual + hidden_states", attn), src.find("hidden_states + residual", attn))
+            if i >= 0]
+    return attn >= 0 and norm >= 0 and bool(adds) and min(adds) < norm
 
 
 def _falcon_parallel(cfg) -> bool:

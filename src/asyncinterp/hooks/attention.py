@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 
 import torch
 
 from ..kernel.errors import ReplacementError
 from .archs import PointUnavailableError
-from .modules import submodules
+from .modules import add_forward_pre_hook, submodules
 from .points import Point
 
 __all__ = ["KEY", "PatternPoint", "ZPoint", "uses_interface", "watch_of"]
@@ -55,6 +56,11 @@ def uses_interface(module) -> bool:
     mod = sys.modules.get(type(module).__module__)
     return (mod is not None and hasattr(mod, "ALL_ATTENTION_FUNCTIONS") and hasattr(mod, "eager_attention_forward")
             and hasattr(module, "config") and "ALL_ATTENTION_FUNCTIONS" in _source(type(module)))
+
+
+def interface_calls(module) -> int:
+    """How many times ``module``'s forward calls the attention function (2 in differential attention)."""
+    return _source(type(module)).count("attention_interface(")
 
 
 _sources: dict = {}
@@ -133,8 +139,13 @@ def _watched(module, query, key, value, attention_mask, *args, **kwargs):
     impl = watch.impl
     eager = sys.modules[type(module).__module__].eager_attention_forward
     real = eager if impl in (None, "eager") else _interface()[impl]
-    if watch.run.in_adhoc_call:
+    if watch.run.in_adhoc_call or threading.get_ident() != watch.thread:   # not this run's forward
         return real(module, query, key, value, attention_mask, *args, **kwargs)
+    watch.calls += 1
+    if watch.calls > 1:
+        raise PatternError(f"{module.__class__.__name__} called the attention function twice in one call "
+                           "(differential attention?): attn.z and attn.pattern of this block are not one tensor; "
+                           "read the block's submodules instead")
     if watch.pattern is not None:
         watch.fire_pattern(module, eager, query, key, value, attention_mask, args, kwargs)
     out = real(module, query, key, value, attention_mask, *args, **kwargs)
@@ -148,22 +159,23 @@ class _Watch:
 
     def __init__(self, run, module, impl):
         self.run, self.module, self.impl = run, module, impl
+        self.thread = threading.get_ident()
+        self.calls = 0             # attention-function calls in the block's current call
         self.pattern = None
         self.z = None
 
     def fire_pattern(self, mod, eager, query, key, value, mask, args, kwargs):
         point, impl = self.pattern, self.impl
-        with torch.no_grad():
-            if impl in (None, "eager"):              # the model's own eager function: exactly its weights
-                kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "dropout")}
-                _, weights = eager(mod, query, key, value, _eager_mask(mask, query, key, kwargs, mod),
-                                   *args, dropout=0.0, **kw)
-            elif impl == "sdpa":                     # what torch's sdpa computes from these arguments
-                weights = _sdpa_weights(mod, query, key, mask, kwargs)
-            else:
-                raise PatternError(f"{point.label}: the model runs attn_implementation={impl!r}, whose "
-                                   "probabilities asyncinterp does not reproduce; load it with "
-                                   "attn_implementation='sdpa' or 'eager' to read attn.pattern")
+        if impl in (None, "eager"):              # the model's own eager function: exactly its weights
+            kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "dropout")}
+            _, weights = eager(mod, query, key, value, _eager_mask(mask, query, key, kwargs, mod),
+                               *args, dropout=0.0, **kw)
+        elif impl == "sdpa":                     # what torch's sdpa computes from these arguments
+            weights = _sdpa_weights(mod, query, key, mask, kwargs)
+        else:
+            raise PatternError(f"{point.label}: the model runs attn_implementation={impl!r}, whose "
+                               "probabilities asyncinterp does not reproduce; load it with "
+                               "attn_implementation='sdpa' or 'eager' to read attn.pattern")
         if weights is None:
             raise PatternError(f"{point.label}: {type(mod).__name__}'s eager attention returned no weights")
         heads = _heads(point.envoy)
@@ -197,9 +209,16 @@ def watch_of(run, envoy):
     if watch is None:
         _register()
         original = module.config
-        watch = watches[module] = _Watch(run, module, getattr(original, _CONFIG_ATTR, None))
+        impl = getattr(original, _CONFIG_ATTR, None)
+        if isinstance(original, _WatchedConfig):       # a run inside a run: watch what the outer one runs
+            impl = vars(original)["watch"].impl
+        watch = watches[module] = _Watch(run, module, impl)
         module.config = _WatchedConfig(original, watch)
         run.on_cleanup(_Restore(module, original))
+
+        def new_call(mod, args):
+            watch.calls = 0
+        run.on_cleanup(add_forward_pre_hook(module, new_call))
         out = out_projection(envoy)            # the block and every ancestor take the hooked path (lazy hooks)
         run.keep_ancestors(out if out is not None else envoy)
         run.keep_alive(module)

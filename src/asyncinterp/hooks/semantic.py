@@ -28,7 +28,7 @@ import torch
 
 from ..kernel.errors import AsyncInterpError, ReplacementError
 from .archs import PointUnavailableError, Refused, arch_name, facts, mlp_refusal, qkv_layout, resid_mid_site, z_site
-from .attention import PatternPoint, ZPoint, out_projection, uses_interface
+from .attention import PatternPoint, ZPoint, interface_calls, out_projection, uses_interface
 from .envoy import SEMANTIC_NAMES, HookPoint, register_semantic
 from .moe import MOE_NAMES, moe_point
 from .modules import add_forward_hook, submodules
@@ -242,6 +242,10 @@ def _heads(module):
 
 
 def _attn_point(attn, name):
+    if name in ("z", "pattern") and uses_interface(attn.module) and interface_calls(attn.module) > 1:
+        return _unavailable(attn, name, f"{type(attn.module).__name__} calls the attention function "
+                            f"{interface_calls(attn.module)} times per call (differential attention), so there is "
+                            "no single attention output or pattern per head; read its submodules' outputs")
     if name == "pattern":
         before = out_projection(attn) if uses_interface(attn.module) else None
         return PatternPoint(attn, before, arch_name(attn))
