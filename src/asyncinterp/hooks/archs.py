@@ -47,6 +47,8 @@ class Refused(str):
 _PARALLEL = Refused("attention and MLP run in parallel on the same normed input (x + attn(ln(x)) + mlp(ln(x))): "
                     "there is no residual stream between them. Use layers[i].resid_pre, layers[i].attn.output and "
                     "layers[i].mlp.output")
+_SHARED_NORM = Refused("attention and MLP read the same normed input (layers[i].attn_norm): there is no separate "
+                       "norm before the MLP")
 _MLA = Refused("multi-head latent attention: q and k are assembled from compressed projections plus a separate "
                "rotary part, so there is no per-head q/k/v projection output to show. Use attn.pattern and attn.z "
                "(or the q_b_proj / kv_b_proj outputs)")
@@ -89,8 +91,9 @@ ARCHS: dict[str, dict] = {
                "qkv": ("falcon", "query_key_value"), "z": "dense"},
     "bloom": {"mid": "post_attention_layernorm", "qkv": ("per_head", "query_key_value"), "z": "dense"},
     "mpt": {"mid": "norm_2", "mlp_norm": "norm_2", "qkv": ("blocks_equal", "Wqkv"), "z": "out_proj"},
-    "gptj": {"mid": _PARALLEL, "z": "out_proj"},
-    "phi": {"mid": _PARALLEL}, "cohere": {"mid": _PARALLEL}, "cohere2": {"mid": _PARALLEL},
+    "gptj": {"mid": _PARALLEL, "z": "out_proj", "mlp_norm": _SHARED_NORM},
+    "phi": {"mid": _PARALLEL, "mlp_norm": _SHARED_NORM}, "cohere": {"mid": _PARALLEL, "mlp_norm": _SHARED_NORM},
+    "cohere2": {"mid": _PARALLEL, "mlp_norm": _SHARED_NORM},
     "opt": {"mid": Refused("OPT flattens the stream to [b*n, d] before its MLP norm (final_layer_norm), so that "
                            "input is not per batch row; use layers[i].resid_pre + layers[i].attn.output "
                            "(or layers[i].resid_post - the fc2 output)"),

@@ -313,6 +313,13 @@ class Envoy:
             return ModulePathError(
                 f"{where} has no {name!r}: it is not a sparse mixture-of-experts block (router / per_expert / "
                 f"routed exist on those only); its output is {where}.output")
+        from .aliases import STANDARD
+        if name in STANDARD:        # no "did you mean": a similar name may compute something else
+            tried = ", ".join(STANDARD[name])
+            return ModulePathError(
+                f"{where} has no {name!r}: {name!r} is a standard name, and no module of this architecture "
+                f"({arch_name(self)!r}) is one of its spellings ({tried}). Its submodules are: "
+                + (", ".join(list(submodules(self.module))[:12]) or "(none)"))
         if name in SEMANTIC_NAMES:
             return ModulePathError(
                 f"{where} has no semantic point {name!r}: resid_pre/resid_mid/resid_post live on a decoder layer "
@@ -320,7 +327,10 @@ class Envoy:
                 "(m.layers[i].mlp; router/per_expert/routed on MoE blocks), logits on the model")
         names = list(submodules(self.module))
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        if not close:
+            close = [f"the semantic point {c}" for c in difflib.get_close_matches(name, sorted(SEMANTIC_NAMES), n=1,
+                                                                                  cutoff=0.8)]
+        hint = f" Did you mean {', '.join(c if c.startswith('the ') else repr(c) for c in close)}?" if close else ""
         listing = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
         return ModulePathError(
             f"{where!s} has no submodule or attribute {name!r}.{hint} Its submodules are: {listing or '(none)'}")

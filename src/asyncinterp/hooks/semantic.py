@@ -4,22 +4,29 @@
 
     async def fn(m):
         h = await m.layers[3].resid_mid          # residual stream after attention, before the MLP
-        q = await m.layers[3].attn.q             # [b, n, heads, d_head], before rotary
+        q = await m.layers[3].attn.q             # [b, n, heads, d_head], before q/k norms and rotary
         p = await m.layers[3].attn.pattern       # [b, heads, n, n_ctx] attention probabilities
+        z = await m.layers[3].attn.z             # [b, n, heads, d_head], each head's output (TransformerLens hook_z)
         a = await m.layers[3].mlp.post           # the MLP's activation (input of its down projection)
-        return await m.logits                    # [b, vocab] next-token logits
+        return await m.logits                    # [b, vocab] the logits the model returns (after any soft-cap)
 
-Every semantic point is a derived view of one real module hook point
-(``resid_mid`` is ``mlp_norm.input``, ``attn.q`` is ``q_proj.output`` reshaped,
-...) built the first time it is looked up: it adds no hook, no attribute and
-no per-call work to a model where it is not awaited, and awaiting it costs
-what awaiting its real point costs (``resid_post`` *is* the layer's output
-hook). Names are looked up only when an envoy has no child or attribute of
-that name (real names win), after the standard names of
-:mod:`asyncinterp.hooks.aliases`.
+Every semantic point is read where the model computes it: a derived view of
+one real module hook point (``resid_post`` *is* the layer's output hook,
+``attn.q`` the q projection's output per head), the attention function the
+block calls (``pattern``, ``z``: :mod:`.attention`) or the model's returned
+logits. What cannot be read off the module tree (where ``resid_mid`` is, how a
+fused q/k/v projection is laid out, what is not given and why) is stated once
+per architecture in :mod:`.archs`. A point is built the first time it is
+looked up and adds no hook, attribute or per-call work to a model where it is
+not awaited. Names are looked up only when an envoy has no child or attribute
+of that name (real names win), after the standard names of
+:mod:`asyncinterp.hooks.aliases`. A point the architecture lacks, or that is
+not given yet, is an :class:`UnavailablePoint`: awaiting it raises
+:class:`PointUnavailableError` naming the architecture and the reason.
 
-Transformers models (GPT-2 and Llama families) are handled here; other
-engines (vLLM) give their root envoy a ``build_semantic_point`` method.
+Transformers models are handled here (docs/architectures.md lists every
+architecture checked); other engines (vLLM) give their root envoy a
+``build_semantic_point`` method.
 """
 
 from __future__ import annotations
