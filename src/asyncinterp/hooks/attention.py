@@ -191,9 +191,15 @@ class _Watch:
         if heads and z.shape[2] != heads:
             raise PatternError(f"{point.label}: the attention function returned {z.shape[2]} heads of {heads} "
                                "(tensor parallel shards?); read the output projection's .input instead")
-        new = self.run.fire(point, z)
+        # fired as [b, n, heads * d_head] (layouts cut 3-D values along the sequence too: left padding), shown
+        # per head by the point's read; a flat copy (z not contiguous) is written back after the firing
+        flat = z.flatten(2)
+        new = self.run.fire(point, flat)
         if new is None:
+            if not z.is_contiguous():
+                z.copy_(flat.view(z.shape))
             return out
+        new = new.view(z.shape)
         return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
 
 
@@ -313,7 +319,10 @@ class ZPoint(Point):
 
     def __init__(self, envoy, before):
         self.envoy = envoy
-        self.key, self.read, self.write, self.gradient, self.order_cache = self, None, None, None, None
+        self.key, self.gradient, self.order_cache = self, None, None
+        heads = _heads(envoy)
+        self.read = lambda t: t.unflatten(-1, (heads, -1))
+        self.write = lambda new, old: new.reshape(old.shape) if isinstance(new, torch.Tensor) else new
         self.label = f"{envoy.path}.z"
         self.position = (before.module, "inputs") if before is not None else (envoy.module, "output")
 

@@ -302,7 +302,7 @@ def _attn_point(attn, name):
         select = _head_rows([(0, heads), (heads, heads + 1), (heads + 1, heads + 2)][i], heads + 2, hd)
     else:  # pragma: no cover - a table entry with an unknown layout
         raise ValueError(f"unknown fused q/k/v layout {kind!r}")
-    return FusedPart(attn, name, fused_envoy, i, select)
+    return FusedPart(attn, name, fused_envoy, i, select, hd)
 
 
 def _columns(start, stop, hd):
@@ -364,6 +364,11 @@ def _head_dim(module):
     return int(hd)
 
 
+def _same_memory(flat, view) -> bool:
+    """Whether ``flat`` (``view.flatten(-2)``) is a view of ``view``'s memory rather than a copy."""
+    return flat.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+
+
 class FusedPart(Point):
     """q, k or v of a fused projection (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``...), a point of its own.
 
@@ -371,16 +376,18 @@ class FusedPart(Point):
     call, in the order q, k, v), fired from one forward hook on the fused
     module that the first awaited part installs. ``select(t)`` is the part's
     ``[b, n, heads, d_head]`` view of the fused output (its layout is stated
-    in :mod:`.archs`): each invoke sees its rows of that live view, so
-    in-place edits reach the model; a replacement is written back into it.
+    in :mod:`.archs`), fired flat (``[b, n, heads * d_head]``, so that padded
+    layouts cut its sequence) and shown per head: each invoke sees its rows
+    of the live value, in-place edits reach the model, a replacement is
+    written back into its columns.
     """
 
     __slots__ = ("owner", "label", "fused", "index", "select", "position")
     kind_label = "semantic points"
 
-    def __init__(self, owner, name, fused, index, select):
+    def __init__(self, owner, name, fused, index, select, head_dim):
         self.key, self.gradient, self.order_cache = self, None, None
-        self.read = None
+        self.read = lambda t: t.unflatten(-1, (-1, head_dim))
         self.write = lambda new, old: new.reshape(old.shape) if isinstance(new, torch.Tensor) else new
         self.owner = owner
         self.label = f"{owner.path}.{name}"
@@ -407,12 +414,19 @@ class FusedPart(Point):
                 t = first_of(output)
                 changed = None
                 for part in active:
-                    new = run.fire(part, part.select(t))
-                    if new is not None:
-                        if changed is None:
-                            changed = t.clone()
-                        part.select(changed).copy_(new)
-                        t = changed
+                    # fired as [b, n, heads * d_head] so that layouts cut the sequence too (left padding); a flat
+                    # copy (an interleaved layout) is written back after the firing, so in-place edits count
+                    view = part.select(t)
+                    flat = view.flatten(-2)
+                    new = run.fire(part, flat)
+                    if new is None:
+                        if not _same_memory(flat, view):
+                            view.copy_(flat.view(view.shape))
+                        continue
+                    if changed is None:
+                        changed = t.clone()
+                    part.select(changed).copy_(new.view(view.shape))
+                    t = changed
                 return None if changed is None else with_first(changed, output)
             run.on_cleanup(add_forward_hook(module, hook))
             run.keep_ancestors(self.fused)
