@@ -44,7 +44,7 @@ PRIVATE_ATTRIBUTE = "_"
 PRIVATE_NAME = "__"
 # the only attribute assignments allowed (`m.layer.output = value`, a single target): hook points of the model
 ASSIGNABLE_POINTS = frozenset({"output", "input", "inputs", "logits", "tokens",
-                               "resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
+                               "resid_pre", "resid_mid", "resid_post", "q", "k", "v", "z", "pattern", "pre", "post",
                                "router", "per_expert", "routed", "grad"})
 
 # --------------------------------------------------------------------------- modules
