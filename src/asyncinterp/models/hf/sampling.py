@@ -40,7 +40,9 @@ def sampling_warpers(module, kw: dict) -> list:
     import transformers as tf
 
     config = copy.deepcopy(module.generation_config)
-    config.update(**{k: kw.pop(k) for k in _WARPER_OPTIONS if k in kw})
+    for name in _WARPER_OPTIONS:
+        if name in kw:
+            setattr(config, name, kw.pop(name))
     warpers = []
     if config.temperature is not None and config.temperature != 1.0:
         warpers.append(tf.TemperatureLogitsWarper(config.temperature))
