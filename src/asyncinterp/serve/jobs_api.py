@@ -81,8 +81,9 @@ async def _jobs(server, request):
         if type(stream) is not bool:
             raise RequestFailed("request", "stream must be a bool")
         timeout = server.request_timeout(obj)
-        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
-            if server.allow_code else None
+        # a supervised server only checks the job here (its worker rebuilds it, private copies included)
+        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
+                            copies=not server.supervised) if server.allow_code else None
         # checked and rebuilt in a thread: the event loop (health checks, other requests) stays free meanwhile
         job = await aio.to_thread(_load, server, data, sandbox, timeout)
         invokes, options = _checked(server, job)

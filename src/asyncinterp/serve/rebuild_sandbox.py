@@ -41,9 +41,10 @@ __all__ = ["Sandboxed"]
 class Sandboxed:
     """Compile captured source as the sandbox compiles submitted code (``deadline``, ``budget``: see ``Clock``)."""
 
-    def __init__(self, deadline: float | None = None, budget: float | None = None, model=None):
+    def __init__(self, deadline: float | None = None, budget: float | None = None, model=None, copies: bool = True):
         self.clock = Clock(deadline, budget)
         self.model = model
+        self.copying = copies   # False: a check only (the code runs elsewhere, which makes the private copies)
         self.entries = []       # entry points made so far: all run with autograd on once any source names a gradient
         self.copies = {}        # id -> (captured tensor, its private copy): one copy per tensor, however referenced
 
@@ -63,16 +64,19 @@ class Sandboxed:
         filename = f"{SUBMITTED_PREFIX}{filename.strip('<>')}>"   # how the sandbox's tracebacks know its frames
         remember(filename, source)
         code = compile(instrument(tree), filename, "exec")
-        for name, value in list(namespace.items()):
-            if not isinstance(value, (Future, SafeEnvoy)) and name != "__name__":
-                namespace[name] = _private(value, self.copies)
+        if self.copying:
+            for name, value in list(namespace.items()):
+                if not isinstance(value, (Future, SafeEnvoy)) and name != "__name__":
+                    namespace[name] = _private(value, self.copies)
         namespace.update({"__builtins__": safe_builtins(), TICK: self.clock.tick, SETPOINT: setpoint,
                           PLAIN: text_safe, MEMBER: read_unlisted})
         exec(code, namespace)  # noqa: S102 - checked and instrumented above, restricted builtins
 
     def private(self, value):
         """A captured value as submitted code gets it (a private copy, one per tensor; futures as they are)."""
-        return value if isinstance(value, (Future, SafeEnvoy)) else _private(value, self.copies)
+        if not self.copying or isinstance(value, (Future, SafeEnvoy)):
+            return value
+        return _private(value, self.copies)
 
     def entry(self, fn):
         """An entry point as the engine calls it: the model seen through ``SafeEnvoy``, results released."""

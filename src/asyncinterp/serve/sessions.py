@@ -178,15 +178,16 @@ def _uses_gradients(description) -> bool:
     return False
 
 
-def load_session(server, body: dict, batcher, timeout: float):
+def load_session(server, body: dict, batcher, timeout: float, check_only: bool = False):
     """A session request's function, checked and compiled as submitted code: ``run()`` runs it (a coroutine
-    function returning its released result). Refusals (400) come before any model work."""
+    function returning its released result). Refusals (400) come before any model work. ``check_only``: the
+    session runs elsewhere (a worker process loads it again), so no private copies of its values are made."""
     description, spec = body.get("capture"), body.get("session")
     if not isinstance(description, dict) or not isinstance(spec, dict):
         raise RequestFailed("request", "a session needs 'capture' (the captured functions) and 'session' "
                                        "({'function', 'keywords'}) maps; use Client.session(fn)")
     deadline = time.monotonic() + timeout
-    compile_source = Sandboxed(deadline, min(server.code_budget, timeout))
+    compile_source = Sandboxed(deadline, min(server.code_budget, timeout), copies=not check_only)
     clock = compile_source.clock
     try:
         check_size(description)
@@ -229,7 +230,7 @@ async def session_endpoint(server, request):
         name = (obj.get("session") or {}).get("function") if isinstance(obj.get("session"), dict) else None
         fields["intervention"] = f"session:{short_repr(name)}"
         # refusals here, before any model work; checked in a thread, so that the event loop stays free meanwhile
-        run = await aio.to_thread(load_session, server, obj, server.batcher, timeout)
+        run = await aio.to_thread(load_session, server, obj, server.batcher, timeout, server.supervised)
         if server.supervised:     # it runs in the worker that runs submitted code (loaded there again)
             run = functools.partial(server.batcher.session, obj, timeout)
         return await server.respond(request, fields, run, lambda value: {"ok": True, "result": value})
