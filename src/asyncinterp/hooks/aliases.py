@@ -28,8 +28,10 @@ from __future__ import annotations
 import weakref
 
 from .modules import submodules
+from .tl_names import MODULE_NAMES as TL_MODULE_NAMES
 
-__all__ = ["STANDARD", "register", "set_alias", "aliases_of", "copy_aliases", "resolve", "standard_names"]
+__all__ = ["STANDARD", "register", "set_alias", "aliases_of", "copy_aliases", "resolve", "standard_names",
+           "real_or_alias", "lookup"]
 
 # standard name -> candidate relative paths, tried in order
 STANDARD: dict[str, list[str]] = {
@@ -102,6 +104,9 @@ def resolve(envoy, name: str):
         override = _overrides.get(envoy, {}).get(name)
         if override is not None:
             return _lookup(envoy, override)
+    lens = TL_MODULE_NAMES.get(name)      # TransformerLens's ``blocks``, ``ln_final``: our standard names
+    if lens is not None:
+        return real_or_alias(envoy, lens)
     candidates = STANDARD.get(name)
     if not candidates:
         return None
@@ -137,7 +142,40 @@ def standard_names(model) -> dict:
     return out
 
 
-def _real_or_alias(envoy, name):
+def real_or_alias(envoy, name):
+    """The child ``name`` of ``envoy``: a real submodule, else what the standard name means; or ``None``."""
     if name in submodules(envoy.module):
         return envoy.child(name)
     return resolve(envoy, name)
+
+
+_real_or_alias = real_or_alias
+
+
+def lookup(envoy, path: str):
+    """The envoy or point that dotted ``path`` names below ``envoy`` (what ``envoy.at(path)`` returns).
+
+    Each part is what attribute access gives (``getattr(e, part)``): real
+    module names, standard names, semantic points, TransformerLens's names
+    and ``output``/``inputs``/``input``; a part of digits is a submodule by
+    name (``layers.3``). So a cache key (``model.layers.3.output``), a module
+    path, and a TransformerLens hook name (``blocks.3.hook_resid_post``, as
+    SAELens stores it in ``sae.cfg.metadata.hook_name``) all work. A last
+    part named ``hook_*`` that is a real module (a wrapped TransformerLens
+    model's ``HookPoint``) gives that module's ``.output``: a hook name
+    always names a value.
+    """
+    from ..kernel.errors import ModulePathError
+    from .points import Point
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"a point path is a non-empty dotted string, got {path!r}")
+    here = envoy
+    done = []
+    for part in path.split("."):
+        if isinstance(here, Point):
+            raise ModulePathError(f"{'.'.join(done)} in {path!r} is a hook point; it has nothing named {part!r}")
+        here = getattr(here, part)
+        done.append(part)
+    if not isinstance(here, Point) and done[-1].startswith("hook_") and hasattr(here, "output"):
+        here = here.output
+    return here

@@ -293,7 +293,25 @@ class Envoy:
                 if made is not None:
                     self.points[name] = made
             return made
+        if name.startswith("hook_"):        # TransformerLens's hook names (asyncinterp.hooks.tl_names)
+            made = self.points.get(name)
+            if made is None:
+                from .tl_names import tl_point
+                made = tl_point(self, name)
+                if made is not None:
+                    self.points[name] = made
+            return made
         return None
+
+    def at(self, path: str):
+        """The envoy or hook point that the dotted string ``path`` names below this envoy.
+
+        ``m.at("model.layers.3.output")``, ``m.at("layers.3.resid_mid")``,
+        ``m.at("blocks.3.hook_resid_post")`` (TransformerLens's name, as
+        SAELens configs store it). See :func:`asyncinterp.hooks.aliases.lookup`.
+        """
+        from .aliases import lookup
+        return lookup(self, path)
 
     def build_semantic_point(self, envoy, name: str):
         """The semantic point ``name`` of ``envoy`` (called on the root envoy), or ``None``.
@@ -322,7 +340,7 @@ class Envoy:
             return
         made = self.points.get(name)
         if made is None and attr is None:
-            if name in SEMANTIC_NAMES:
+            if name in SEMANTIC_NAMES or name.startswith("hook_"):
                 made = getattr(self, name, None)
         if isinstance(made, Point):        # a semantic point (m.layers[1].resid_mid = h)
             made.replace(value)
