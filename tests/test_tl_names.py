@@ -399,8 +399,12 @@ def test_vllm_names_read_what_transformers_reads(engines):
              f"blocks.{LAYER}.mlp.hook_post", f"blocks.{LAYER}.hook_mlp_out", f"blocks.{LAYER}.hook_resid_post",
              "ln_final.hook_normalized"]
 
-    async def read(mm):
-        return {n: (await mm.at(n)).clone() for n in names}
+    async def one(point):
+        return (await point).clone()
+
+    async def read(mm):      # each in a sub-task: the engines fire attn.pattern at different moments
+        tasks = {n: await ai.spawn(one(mm.at(n))) for n in names}
+        return {n: await t for n, t in tasks.items()}
 
     with torch.no_grad():
         hf = lm.trace("The quick brown fox", read)
@@ -408,3 +412,27 @@ def test_vllm_names_read_what_transformers_reads(engines):
     for n in names:
         assert vl[n].shape == hf[n].shape, n
         torch.testing.assert_close(vl[n], hf[n], rtol=1e-4, atol=1e-4, msg=lambda s, n=n: f"{n}: {s}")
+
+
+def test_submitted_code_uses_the_names_too():
+    """Code submitted to a server (the sandbox) reaches the same points by attribute and by ``m.at(...)``."""
+    from asyncinterp.serve.sandbox import Program
+    net = _llama()
+    m = ai.wrap(net)
+    src = '''
+async def f(m):
+    h = await m.blocks[1].hook_resid_post
+    m.blocks[2].hook_mlp_out = (await m.at("blocks.2.hook_mlp_out")) * 2
+    return {"h": h, "logits": await m.lm_head.output}
+'''
+    got = m.trace(IDS, Program(src).bind({})[0])
+
+    async def ref(mm):
+        h = (await mm.layers[1].resid_post).clone()
+        mlp = await mm.layers[2].mlp.output
+        mlp *= 2
+        return {"h": h, "logits": (await mm.lm_head.output).clone()}
+
+    want = m.trace(IDS, ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import weakref
 
 from .modules import submodules
-from .tl_names import MODULE_NAMES as TL_MODULE_NAMES
 
 __all__ = ["STANDARD", "register", "set_alias", "aliases_of", "copy_aliases", "resolve", "standard_names",
            "real_or_alias", "lookup"]
@@ -54,6 +53,10 @@ STANDARD: dict[str, list[str]] = {
     "up_proj": ["c_fc"],
     "down_proj": ["c_proj"],
 }
+
+
+#: TransformerLens's module names -> our standard names (its point names: asyncinterp.hooks.tl_names)
+TL_MODULE_NAMES: dict[str, str] = {"blocks": "layers", "ln_final": "final_norm"}
 
 
 def register(name: str, *paths: str) -> None:

@@ -27,7 +27,7 @@ _BASE_KINDS = ("output", "inputs")
 #: TransformerLens's names, looked up on a miss only (see asyncinterp.hooks.semantic)
 SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
                             "logits", "router", "per_expert", "routed"))   # (the last three: MoE blocks, hooks/moe.py)
-_semantic = {"build": None}
+_semantic = {"build": None, "tl": None}
 
 
 _special_envoys: list = []   # (test(module) -> bool, envoy class): e.g. MoE routers (asyncinterp.hooks.moe)
@@ -49,6 +49,11 @@ def special_envoy_class(module) -> type:
 def register_semantic(builder) -> None:
     """Make ``Envoy.build_semantic_point`` use ``builder(envoy, name)`` (called once by asyncinterp.hooks.semantic)."""
     _semantic["build"] = builder
+
+
+def register_tl_names(builder) -> None:
+    """Make TransformerLens's ``hook_*`` names use ``builder(envoy, name)`` (called once by asyncinterp.hooks.tl_names)."""
+    _semantic["tl"] = builder
 
 
 class HookPoint(Point):
@@ -293,11 +298,10 @@ class Envoy:
                 if made is not None:
                     self.points[name] = made
             return made
-        if name.startswith("hook_"):        # TransformerLens's hook names (asyncinterp.hooks.tl_names)
+        if name.startswith("hook_") and _semantic["tl"] is not None:   # TransformerLens's hook names (tl_names)
             made = self.points.get(name)
             if made is None:
-                from .tl_names import tl_point
-                made = tl_point(self, name)
+                made = _semantic["tl"](self, name)
                 if made is not None:
                     self.points[name] = made
             return made

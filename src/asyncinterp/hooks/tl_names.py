@@ -39,12 +39,11 @@ no hook and no per-call work to a model where they are not awaited.
 
 from __future__ import annotations
 
-from .envoy import HookPoint
+from .aliases import TL_MODULE_NAMES as MODULE_NAMES   # blocks -> layers, ln_final -> final_norm
+from .aliases import real_or_alias
+from .envoy import HookPoint, register_tl_names
 
 __all__ = ["MODULE_NAMES", "POINT_NAMES", "NAMES", "tl_point"]
-
-#: TransformerLens module names -> our standard names (resolved by :func:`asyncinterp.hooks.aliases.resolve`)
-MODULE_NAMES = {"blocks": "layers", "ln_final": "final_norm"}
 
 #: hook names that are one of our semantic points on the same envoy
 _SEMANTIC = {
@@ -85,10 +84,7 @@ class OutputPoint(HookPoint):
         return self.label
 
 
-def _child(envoy, name):
-    """The child of ``envoy`` named ``name`` (a real name, else a standard name), or ``None``."""
-    from .aliases import real_or_alias
-    return real_or_alias(envoy, name)
+_child = real_or_alias   # the child of an envoy by real name, else by standard name; or None
 
 
 def tl_point(envoy, name: str):
@@ -115,3 +111,6 @@ def tl_point(envoy, name: str):
             return None     # only the final norm (ln_final); the per-layer ln1/ln2 are not offered
         return OutputPoint(envoy, name, envoy)
     return None
+
+
+register_tl_names(tl_point)
