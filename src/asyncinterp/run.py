@@ -29,7 +29,8 @@ from .hooks.modules import (
     set_instance_forward,
     submodules,
 )
-from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
+from .hooks.batching import batch_inputs, forward_kwargs
+from .hooks.keywords import check_forward_kwargs
 from .hooks.firing import Firing, StaleEditWarning, StaleWatch
 from .hooks.views import WHOLE_BATCH, Layout
 from .invoke import PLAIN_RESULTS, Invoke, RunStopped, forgotten_await
