@@ -436,3 +436,26 @@ async def f(m):
     want = m.trace(IDS, ref)
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0)
+
+
+def test_wrapped_hooked_transformer_keeps_its_own_hook_points():
+    """On TransformerLens's own model the names are real modules (real names win): ``m.at(name)`` is the
+    output of its ``HookPoint``, equal to what its ``run_with_cache`` records. Runs where transformer-lens is
+    installed (it comes with the ``sae`` extra)."""
+    tl = pytest.importorskip("transformer_lens")
+    torch.manual_seed(0)
+    net = tl.HookedTransformer(tl.HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, d_vocab=50,
+                                                          act_fn="relu")).eval()
+    m = ai.wrap(net)
+    tokens = torch.randint(0, 50, (1, 6))
+    names = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"]
+
+    async def read(mm):
+        return {n: (await mm.at(n)).clone() for n in names}
+
+    assert m.at(names[0]) is m.blocks[0].hook_resid_pre.output
+    with torch.no_grad():
+        got = m.trace(tokens, read)
+        _, cache = net.run_with_cache(tokens)
+    for n in names:
+        torch.testing.assert_close(got[n], cache[n], atol=0, rtol=0)
