@@ -459,3 +459,78 @@ def test_wrapped_hooked_transformer_keeps_its_own_hook_points():
         _, cache = net.run_with_cache(tokens)
     for n in names:
         torch.testing.assert_close(got[n], cache[n], atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------ hook_attn_out / hook_mlp_out: what is added
+
+# model type -> the module (in each layer) whose input is the residual stream between attention and MLP
+RESID_MID_AT = {"llama": "post_attention_layernorm", "gemma2": "pre_feedforward_layernorm",
+                "gemma3_text": "pre_feedforward_layernorm", "olmo2": "mlp", "exaone4": "mlp",
+                "glm4": "post_attention_layernorm"}
+
+
+def _tiny(model_type):
+    """A tiny model of ``model_type`` from its config, weights at O(1) scale (HF's init hides wrong norms)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    net = AutoModelForCausalLM.from_config(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5 if p.dim() == 2
+                    else 1 + 0.2 * torch.randn(p.shape, generator=g))
+    return net
+
+
+@pytest.mark.parametrize("model_type", list(RESID_MID_AT))
+def test_attn_out_and_mlp_out_are_what_each_branch_adds(model_type):
+    """TransformerLens's hook_attn_out / hook_mlp_out are the branch's additive contribution: after the norm
+    that sandwich-norm layers (Gemma-2/3, OLMo-2, EXAONE-4, GLM-4) apply to it. The reference is independent
+    of the name table: resid_mid - resid_pre and resid_post - resid_mid, taken by hand-written hooks."""
+    net = _tiny(model_type)
+    m = ai.wrap(net)
+    layer = net.model.layers[LAYER]
+    seen = {}
+
+    def first_in(key):
+        def hook(mod, args, kwargs):
+            seen[key] = (args[0] if args else kwargs["hidden_states"]).clone()
+        return hook
+
+    handles = [layer.register_forward_pre_hook(first_in("pre"), with_kwargs=True),
+               getattr(layer, RESID_MID_AT[model_type]).register_forward_pre_hook(first_in("mid"), with_kwargs=True),
+               layer.register_forward_hook(lambda mod, a, out: seen.update(post=_first(out).clone()))]
+    try:
+        with torch.no_grad():
+            net(IDS)
+    finally:
+        for h in handles:
+            h.remove()
+
+    async def read(mm):
+        attn = (await mm.blocks[LAYER].hook_attn_out).clone()
+        mlp = (await mm.blocks[LAYER].hook_mlp_out).clone()
+        return attn, mlp
+
+    with torch.no_grad():
+        attn, mlp = m.trace(IDS, read)
+    assert (seen["mid"] - seen["pre"]).abs().max() > 0.1           # O(1) scale: a wrong module would show
+    torch.testing.assert_close(attn, seen["mid"] - seen["pre"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mlp, seen["post"] - seen["mid"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_branch_that_adds_the_residual_itself_is_refused():
+    """BLOOM's attention and MLP add the residual inside their forward: their output is not the contribution."""
+    from asyncinterp.hooks.semantic import PointUnavailableError
+    from transformers import BloomConfig, BloomForCausalLM
+    torch.manual_seed(0)
+    m = ai.wrap(BloomForCausalLM(BloomConfig(vocab_size=101, hidden_size=32, n_layer=2, n_head=4)).eval())
+
+    async def read(mm):
+        return await mm.blocks[LAYER].hook_attn_out
+
+    with pytest.raises(PointUnavailableError, match="adds the residual inside"):
+        m.trace(IDS, read)

@@ -19,8 +19,9 @@ TransformerLens                           asyncinterp
 ``blocks``                                ``layers`` (standard name)
 ``blocks.{i}.hook_resid_pre/mid/post``    ``layers[i].resid_pre/mid/post``
 ``blocks.{i}.attn.hook_q/k/v/z/pattern``  ``layers[i].attn.q/k/v/z/pattern``
-``blocks.{i}.hook_attn_out``              ``layers[i].attn.output`` (its first element: the block's output)
-``blocks.{i}.hook_mlp_out``               ``layers[i].mlp.output`` (its first element)
+``blocks.{i}.hook_attn_out``              what attention adds to the residual: ``layers[i].attn.output``
+                                          (first element), or the norm of it (sandwich norms: Gemma-2/3)
+``blocks.{i}.hook_mlp_out``               what the MLP adds: ``layers[i].mlp.output``, or its norm
 ``blocks.{i}.mlp.hook_pre/post``          ``layers[i].mlp.pre/post``
 ``hook_embed`` / ``hook_pos_embed``       ``embed.output`` / ``pos_embed.output``
 ``ln_final``                              ``final_norm`` (standard name)
@@ -39,9 +40,13 @@ no hook and no per-call work to a model where they are not awaited.
 
 from __future__ import annotations
 
+import inspect
+
 from .aliases import TL_MODULE_NAMES as MODULE_NAMES   # blocks -> layers, ln_final -> final_norm
 from .aliases import real_or_alias
 from .envoy import HookPoint, register_tl_names
+from .modules import submodules
+from .semantic import UnavailablePoint
 
 __all__ = ["MODULE_NAMES", "POINT_NAMES", "NAMES", "tl_point"]
 
@@ -87,6 +92,48 @@ class OutputPoint(HookPoint):
 _child = real_or_alias   # the child of an envoy by real name, else by standard name; or None
 
 
+# sandwich norms (Gemma-2/3, OLMo-2/3, EXAONE-4, GLM-4, AFMoE): a norm applied to a branch's output before the add
+_POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")
+_POST_ATTN_NORMS = ("post_self_attn_layernorm", "post_attention_layernorm")
+_PRE_MLP_NORMS = ("pre_feedforward_layernorm", "pre_mlp_layernorm")
+
+
+def _contribution(layer, sub, branch):
+    """``(envoy, None)``: the module whose output is what branch ``sub`` adds to the residual stream
+    (TransformerLens's ``hook_attn_out`` / ``hook_mlp_out``), or ``(None, why)`` when it cannot be told.
+
+    The branch itself, unless the layer normalises the branch's output before adding it (sandwich norms):
+    then that norm. ``post_attention_layernorm`` is the pre-MLP norm in Llama-style layers and the norm of
+    the attention output in sandwich layers, so it is taken for the latter only when the layer's other
+    norms leave no doubt (a separate pre-MLP norm, or no pre-norms at all).
+    """
+    if "residual" in _parameters(branch.module):
+        return None, (f"{type(branch.module).__name__} adds the residual inside its own forward (it takes "
+                      "`residual`), so its output is not what it adds to the residual stream; read the layer's "
+                      "resid_pre / resid_mid / resid_post instead")
+    subs = submodules(layer.module)
+    post_mlp = next((n for n in _POST_MLP_NORMS if n in subs), None)
+    if post_mlp is None:
+        return branch, None
+    if sub == "mlp":
+        return layer.child(post_mlp), None
+    if "post_self_attn_layernorm" in subs:
+        return layer.child("post_self_attn_layernorm"), None
+    if "post_attention_layernorm" in subs and (
+            any(n in subs for n in _PRE_MLP_NORMS) or "input_layernorm" not in subs):
+        return layer.child("post_attention_layernorm"), None
+    return None, (f"{type(layer.module).__name__} normalises its MLP output before adding it "
+                  f"({post_mlp}), but which norm (if any) it applies to the attention output cannot be told "
+                  "from its module names; read the layer's resid_pre and resid_mid instead")
+
+
+def _parameters(module):
+    try:
+        return inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
 def tl_point(envoy, name: str):
     """The point TransformerLens's hook name ``name`` stands for below ``envoy``, or ``None``."""
     semantic = _SEMANTIC.get(name)
@@ -94,10 +141,13 @@ def tl_point(envoy, name: str):
         return envoy.standard_name(semantic)
     sub = _LAYER_OUTPUTS.get(name)
     if sub is not None:
-        target = _child(envoy, sub)
+        branch = _child(envoy, sub)
         # a layer: it has both an attention block and an MLP (a bare attention or MLP module is not one)
-        if target is None or _child(envoy, "mlp" if sub == "attn" else "attn") is None:
+        if branch is None or _child(envoy, "mlp" if sub == "attn" else "attn") is None:
             return None
+        target, why = _contribution(envoy, sub, branch)
+        if target is None:
+            return UnavailablePoint(f"{envoy.path}.{name}", why)
         return OutputPoint(envoy, name, target)
     sub = _ROOT_OUTPUTS.get(name)
     if sub is not None:
