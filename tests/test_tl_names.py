@@ -80,7 +80,6 @@ def _reference(arch, net, name):
         f"blocks.{LAYER}.hook_mlp_out": (p.mlp, "out"),
         f"blocks.{LAYER}.mlp.hook_post": (p.act, "out") if p.act is not None else (p.post_in, "in"),
         "hook_embed": (p.embed, "out"),
-        "ln_final.hook_normalized": (p.final, "out"),
     }[name]
 
 
@@ -114,7 +113,7 @@ def by_hand(net, module, kind, fn):
 
 READ_NAMES = [f"blocks.{LAYER}.hook_resid_pre", f"blocks.{LAYER}.hook_resid_mid", f"blocks.{LAYER}.hook_resid_post",
               f"blocks.{LAYER}.hook_attn_out", f"blocks.{LAYER}.hook_mlp_out", f"blocks.{LAYER}.mlp.hook_post",
-              "hook_embed", "ln_final.hook_normalized"]
+              "hook_embed"]
 
 
 # ------------------------------------------------------------------ the names are our points
@@ -169,6 +168,42 @@ def test_reads_and_replacements_equal_hand_written_hooks(family, name):
         edited = m.trace(IDS, replace)
     torch.testing.assert_close(edited, want, atol=1e-5, rtol=0)
     assert (want - plain).abs().max() > 1e-4
+
+
+def test_hook_normalized_is_the_final_norm_before_its_weight(family):
+    """TransformerLens's ``ln_final.hook_normalized`` is ``x / scale`` (centred first for LayerNorm), before the
+    norm's weight and bias; read-only."""
+    arch, net = family
+    m = ai.wrap(net)
+    final = _parts(arch, net).final
+    seen = {}
+    handle = final.register_forward_hook(lambda mod, args, out: seen.update(x=args[0].clone(), out=out.clone()))
+    try:
+        with torch.no_grad():
+            net(IDS)
+    finally:
+        handle.remove()
+    x = seen["x"]
+    if arch == "gpt2":
+        x = x - x.mean(-1, keepdim=True)
+        want = x / (x.pow(2).mean(-1, keepdim=True) + final.eps).sqrt()
+        torch.testing.assert_close(want * final.weight + final.bias, seen["out"], atol=1e-5, rtol=1e-5)
+    else:
+        want = x / (x.pow(2).mean(-1, keepdim=True) + final.variance_epsilon).sqrt()
+        torch.testing.assert_close(want * final.weight, seen["out"], atol=1e-5, rtol=1e-5)
+
+    async def read(mm):
+        return (await mm.ln_final.hook_normalized).clone()
+
+    with torch.no_grad():
+        torch.testing.assert_close(m.trace(IDS, read), want, atol=1e-5, rtol=1e-5)
+
+    async def write(mm):
+        v = await mm.at("ln_final.hook_normalized")
+        mm.ln_final.hook_normalized = v * 2
+
+    with pytest.raises(ai.ReplacementError, match="read-only"):
+        m.trace(IDS, write)
 
 
 def test_attribute_assignment_by_tl_name(family):

@@ -25,12 +25,13 @@ TransformerLens                           asyncinterp
 ``blocks.{i}.mlp.hook_pre/post``          ``layers[i].mlp.pre/post``
 ``hook_embed`` / ``hook_pos_embed``       ``embed.output`` / ``pos_embed.output``
 ``ln_final``                              ``final_norm`` (standard name)
-``ln_final.hook_normalized``              ``final_norm.output`` (its first element)
+``ln_final.hook_normalized``              the final norm's input normalised, before its weight and bias
+                                          (as TransformerLens hooks it); read-only
 ========================================  ==========================================================
 
 Each name resolves to the same point object as the name it stands for (or,
 for the ``*_out``, ``hook_embed`` and ``hook_normalized`` names, to a derived
-view of a module's output point): correctness is that of the point behind it,
+view of a module's output or input point): correctness is that of the point behind it,
 and awaiting it costs what awaiting that point costs. Like every standard
 name they are looked up only when an envoy has no child or attribute of that
 name (real names win: on a wrapped TransformerLens ``HookedTransformer`` the
@@ -42,6 +43,9 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
+from ..kernel.errors import ReplacementError
 from .aliases import TL_MODULE_NAMES as MODULE_NAMES   # blocks -> layers, ln_final -> final_norm
 from .aliases import real_or_alias
 from .envoy import HookPoint, register_tl_names
@@ -159,8 +163,48 @@ def tl_point(envoy, name: str):
         final = _child(envoy.root, "final_norm")
         if final is None or final.module is not envoy.module:
             return None     # only the final norm (ln_final); the per-layer ln1/ln2 are not offered
-        return OutputPoint(envoy, name, envoy)
+        return _normalized(envoy)
     return None
+
+
+def _read_only_normalized(new, value):
+    raise ReplacementError("ln_final.hook_normalized is read-only: it is computed from the final norm's input "
+                           "(the norm itself applies its weight to it at once). Replace ln_final's output "
+                           "(m.final_norm.output) or its input instead")
+
+
+def _normalized(envoy):
+    """``hook_normalized`` of a norm: its input normalised, without the weight and bias (TransformerLens's
+    ``x / scale``), from the norm's input point; a norm of another kind is refused."""
+    module = envoy.module
+    label = f"{envoy.path}.hook_normalized"
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if isinstance(module, torch.nn.LayerNorm):
+        shape = tuple(module.normalized_shape)
+
+        def norm(x):
+            return torch.nn.functional.layer_norm(x.float(), shape, eps=module.eps)
+    elif type(module).__name__.endswith("RMSNorm") and isinstance(eps, float):
+        def norm(x):
+            x = x.float()
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        return UnavailablePoint(label, f"{type(module).__name__} is not a LayerNorm or an RMSNorm whose "
+                                "normalisation asyncinterp can recompute; read ln_final's output "
+                                "(m.final_norm.output) instead")
+
+    def read(inputs):
+        args, kwargs = inputs
+        x = args[0] if args else next(iter(kwargs.values()))
+        residual = args[1] if len(args) > 1 else kwargs.get("residual")
+        if isinstance(residual, torch.Tensor):     # vLLM's fused add + norm: it normalises x + residual
+            x = x + residual
+        return norm(x).to(x.dtype)
+
+    point = OutputPoint.__new__(OutputPoint)
+    HookPoint.__init__(point, envoy, "hook_normalized", envoy.inputs, read, _read_only_normalized)
+    point.label = label
+    return point
 
 
 register_tl_names(tl_point)
