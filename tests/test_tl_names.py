@@ -130,6 +130,12 @@ def test_names_are_the_points_they_stand_for(family):
     for tl, ours in [("hook_q", attn.q), ("hook_k", attn.k), ("hook_v", attn.v), ("hook_pattern", attn.pattern)]:
         assert getattr(m.blocks[LAYER].attn, tl) is ours and m.at(f"blocks.{LAYER}.attn.{tl}") is ours
     assert m.blocks[LAYER].mlp.hook_pre is mlp.pre and m.blocks[LAYER].mlp.hook_post is mlp.post
+    if arch == "llama":                            # gated: hook_pre is the gate's, hook_pre_linear up_proj's output
+        assert m.at(f"blocks.{LAYER}.mlp.hook_pre_linear").key is mlp.up_proj.output.key
+        assert mlp.pre.key is mlp.act_fn.inputs.key
+    else:
+        with pytest.raises(ai.ModulePathError):
+            m.at(f"blocks.{LAYER}.mlp.hook_pre_linear")
     # the derived ones are named by the real path, and string lookup gives the same object as attributes
     assert m.at(f"blocks.{LAYER}.hook_attn_out") is m.blocks[LAYER].hook_attn_out
     assert m.blocks[LAYER].hook_attn_out.describe() == f"{layer.path}.hook_attn_out"

@@ -23,6 +23,7 @@ TransformerLens                           asyncinterp
                                           (first element), or the norm of it (sandwich norms: Gemma-2/3)
 ``blocks.{i}.hook_mlp_out``               what the MLP adds: ``layers[i].mlp.output``, or its norm
 ``blocks.{i}.mlp.hook_pre/post``          ``layers[i].mlp.pre/post``
+``blocks.{i}.mlp.hook_pre_linear``        a gated MLP's ``up_proj`` output (``hook_pre`` is the gate's)
 ``hook_embed`` / ``hook_pos_embed``       ``embed.output`` / ``pos_embed.output``
 ``ln_final``                              ``final_norm`` (standard name)
 ``ln_final.hook_normalized``              the final norm's input normalised, before its weight and bias
@@ -66,7 +67,8 @@ _LAYER_OUTPUTS = {"hook_attn_out": "attn", "hook_mlp_out": "mlp"}
 _ROOT_OUTPUTS = {"hook_embed": "embed", "hook_pos_embed": "pos_embed"}
 
 #: every TransformerLens point name this module resolves
-POINT_NAMES = frozenset(_SEMANTIC) | frozenset(_LAYER_OUTPUTS) | frozenset(_ROOT_OUTPUTS) | {"hook_normalized"}
+POINT_NAMES = frozenset(_SEMANTIC) | frozenset(_LAYER_OUTPUTS) | frozenset(_ROOT_OUTPUTS) | {"hook_normalized",
+                                                                                         "hook_pre_linear"}
 #: every TransformerLens name (modules and points)
 NAMES = POINT_NAMES | frozenset(MODULE_NAMES)
 
@@ -159,6 +161,11 @@ def tl_point(envoy, name: str):
             return None
         target = _child(envoy, sub)
         return None if target is None else OutputPoint(envoy, name, target)
+    if name == "hook_pre_linear":       # a gated MLP's linear branch (up_proj), beside hook_pre (the gate's)
+        subs = submodules(envoy.module)
+        if "gate_proj" in subs and "up_proj" in subs:
+            return OutputPoint(envoy, name, envoy.child("up_proj"))
+        return None
     if name == "hook_normalized":
         final = _child(envoy.root, "final_norm")
         if final is None or final.module is not envoy.module:
