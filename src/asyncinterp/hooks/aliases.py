@@ -55,10 +55,6 @@ STANDARD: dict[str, list[str]] = {
 }
 
 
-#: TransformerLens's module names -> our standard names (its point names: asyncinterp.hooks.tl_names)
-TL_MODULE_NAMES: dict[str, str] = {"blocks": "layers", "ln_final": "final_norm"}
-
-
 def register(name: str, *paths: str) -> None:
     """Add candidate paths for a standard (or new) name, for every model (tried after the built-in ones)."""
     STANDARD.setdefault(name, [])
@@ -103,13 +99,13 @@ def _lookup(envoy, path: str):
 
 def resolve(envoy, name: str):
     """The envoy that standard name ``name`` means below ``envoy``, or ``None``."""
+    lens = TL_MODULE_NAMES.get(name)      # TransformerLens's ``blocks``, ``ln_final``: our standard names
+    if lens is not None and not (_overrides and name in _overrides.get(envoy, {})):
+        return real_or_alias(envoy, lens)
     if _overrides and envoy.parent is None:
         override = _overrides.get(envoy, {}).get(name)
         if override is not None:
             return _lookup(envoy, override)
-    lens = TL_MODULE_NAMES.get(name)      # TransformerLens's ``blocks``, ``ln_final``: our standard names
-    if lens is not None:
-        return real_or_alias(envoy, lens)
     candidates = STANDARD.get(name)
     if not candidates:
         return None
@@ -143,6 +139,10 @@ def standard_names(model) -> dict:
                         if s is not None:
                             out[f"layers.0.{name}.{sub}"] = s.path
     return out
+
+
+#: TransformerLens's module names -> our standard names (its point names: asyncinterp.hooks.tl_names)
+TL_MODULE_NAMES: dict[str, str] = {"blocks": "layers", "ln_final": "final_norm"}
 
 
 def real_or_alias(envoy, name):
