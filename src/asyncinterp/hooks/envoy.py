@@ -19,6 +19,7 @@ import difflib
 
 from ..kernel.errors import ModulePathError, NotInRunError
 from ..kernel.scheduler import current_run, current_task
+from .callers import call_quietly
 from .modules import submodules
 from .points import Point
 
@@ -407,14 +408,15 @@ class Envoy:
         run.skip(self, current_task(), value)
 
     def __call__(self, *args, **kwargs):
-        """Call the module ad hoc: inside a run no hook point fires for this call.
+        """Call the module ad hoc: no hook point fires for this call, inside a run or outside one (a module
+        called outside any run never reaches the hooks of a run executing elsewhere, see :mod:`.callers`).
 
         A module attached to the model (``model.attach(name, module)``) is
-        different: calling it is a real call, and its own points fire.
+        different: calling it inside a run is a real call, and its own points fire.
         """
         run = current_run()
         if run is None:
-            return self.module(*args, **kwargs)
+            return call_quietly(self.module, args, kwargs)
         if self.attached:
             return run.call_attached(self, args, kwargs)
         return run.call_adhoc(self.module, args, kwargs)

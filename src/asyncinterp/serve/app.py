@@ -327,10 +327,20 @@ class Server:
                 return value, len(value)
             raise RequestFailed("request", "input must be a prompt string or a non-empty list of token ids")
         if isinstance(value, torch.Tensor):
+            self._check_rows(value)
             return value, 0
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            for v in value:
+                self._check_rows(v)
             return tuple(value), 0
         raise RequestFailed("request", "input must be a tensor (or a list of tensors) for this model")
+
+    def _check_rows(self, t) -> None:
+        """A tensor input's batch dimension (dim 0) counts against ``max_batch``, as a list of prompts does."""
+        rows = t.shape[0] if t.dim() else 1
+        if rows > self.batcher.max_batch:
+            raise RequestFailed("too_large", f"input: {rows} rows exceed max_batch={self.batcher.max_batch}: "
+                                             "split them into several requests")
 
     def _check_new_tokens(self, length, n, param="max_new_tokens"):
         """Refuse a generation length outside ``[1, max_new_tokens]`` or past the model's context."""
