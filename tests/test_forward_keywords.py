@@ -149,3 +149,21 @@ def test_generation_refuses_unknown_keywords(llama):
     lm, _, _ = llama
     with pytest.raises((TypeError, ValueError), match="imagez"):
         lm.generate(PROMPT, logits, max_new_tokens=2, imagez=1)
+
+
+def test_a_forward_swapped_by_a_plain_wrapper_keeps_the_models_names(llama):
+    """Device-map style hooks replace ``forward`` with a ``(*args, **kwargs)`` wrapper: the model's class still
+    says what it accepts, so named parameters keep working and unknown names are still refused."""
+    _, _, tok = llama
+    model, _ = tiny_llama()
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    model.forward = forward
+    lm = ai.LanguageModel(model, tok)
+    with torch.no_grad():
+        assert lm.trace(PROMPT, logits, logits_to_keep=1).shape[1] == 1
+    with pytest.raises(TypeError, match="imagez"):
+        lm.trace(PROMPT, logits, imagez=1)

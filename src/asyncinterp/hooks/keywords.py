@@ -73,6 +73,15 @@ def _transformers_kwargs(module):
     return (keys or set()) | set(_HF_DECORATOR_KEYWORDS)
 
 
+def _class_names(module) -> set:
+    """The named parameters of the forward the module's class defines."""
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return set()
+    return {n for n, p in params.items() if p.kind in _NAMED} - {"self"}
+
+
 def accepted_keywords(module, _depth: int = 0):
     """The keyword names ``module.forward`` accepts (a set), or ``None`` when any name may be accepted."""
     forward = module.forward
@@ -88,6 +97,7 @@ def accepted_keywords(module, _depth: int = 0):
     hf = _transformers_kwargs(module)
     if hf is not None:
         names |= hf
+        names |= _class_names(module)    # forward swapped for a wrapper without __wrapped__ (device-map hooks)
     typed = _var_keyword_keys(forward, var_kw)
     if typed is not None:
         return names | typed
