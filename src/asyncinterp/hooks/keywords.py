@@ -9,7 +9,9 @@ then passes the keywords on to its layers, where an unknown one (a misspelled
 
 :func:`accepted_keywords` reads what the keywords really are:
 
-* the named parameters of ``forward`` (through ``functools.wraps`` decorators);
+* the named parameters of ``forward`` (through ``functools.wraps`` decorators;
+  for a transformers model also those of its class's ``forward``, in case a
+  device-map hook swapped it for a plain ``(*args, **kwargs)`` wrapper);
 * ``**kwargs: Unpack[SomeTypedDict]`` (transformers 5 types them as
   ``TransformersKwargs``, which includes the flash-attention keys): the keys
   of the TypedDict, inherited ones included;
