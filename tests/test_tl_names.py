@@ -435,9 +435,10 @@ def test_unknown_names_error_clearly():
 @pytest.mark.vllm
 def test_vllm_names_read_what_transformers_reads(engines):
     lm, vm = engines
-    names = ["hook_embed", f"blocks.{LAYER}.hook_resid_pre", f"blocks.{LAYER}.attn.hook_q",      # in firing order
+    names = ["hook_embed", f"blocks.{LAYER}.hook_resid_pre", f"blocks.{LAYER}.attn.hook_q",
+             f"blocks.{LAYER}.attn.hook_k", f"blocks.{LAYER}.attn.hook_v",
              f"blocks.{LAYER}.hook_attn_out", f"blocks.{LAYER}.attn.hook_pattern", f"blocks.{LAYER}.hook_resid_mid",
-             f"blocks.{LAYER}.mlp.hook_post", f"blocks.{LAYER}.hook_mlp_out", f"blocks.{LAYER}.hook_resid_post",
+             f"blocks.{LAYER}.mlp.hook_pre", f"blocks.{LAYER}.mlp.hook_post", f"blocks.{LAYER}.hook_mlp_out", f"blocks.{LAYER}.hook_resid_post",
              "ln_final.hook_normalized"]
 
     async def one(point):
