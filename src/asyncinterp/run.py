@@ -29,8 +29,9 @@ from .hooks.modules import (
     set_instance_forward,
     submodules,
 )
-from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
+from .hooks.batching import batch_inputs, forward_kwargs
 from .hooks.callers import QUIET_THREADS, call_quietly, get_ident, is_quiet
+from .hooks.keywords import check_forward_kwargs
 from .hooks.firing import Firing, StaleEditWarning, StaleWatch
 from .hooks.views import WHOLE_BATCH, Layout
 from .invoke import PLAIN_RESULTS, Invoke, RunStopped, forgotten_await

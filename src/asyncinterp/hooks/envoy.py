@@ -28,7 +28,7 @@ _BASE_KINDS = ("output", "inputs")
 #: TransformerLens's names, looked up on a miss only (see asyncinterp.hooks.semantic)
 SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "pattern", "pre", "post",
                             "logits", "router", "per_expert", "routed"))   # (the last three: MoE blocks, hooks/moe.py)
-_semantic = {"build": None}
+_semantic = {"build": None, "tl": None}
 
 
 _special_envoys: list = []   # (test(module) -> bool, envoy class): e.g. MoE routers (asyncinterp.hooks.moe)
@@ -50,6 +50,11 @@ def special_envoy_class(module) -> type:
 def register_semantic(builder) -> None:
     """Make ``Envoy.build_semantic_point`` use ``builder(envoy, name)`` (called once by asyncinterp.hooks.semantic)."""
     _semantic["build"] = builder
+
+
+def register_tl_names(builder) -> None:
+    """Make TransformerLens's ``hook_*`` names use ``builder(envoy, name)`` (called once by asyncinterp.hooks.tl_names)."""
+    _semantic["tl"] = builder
 
 
 class HookPoint(Point):
@@ -294,7 +299,24 @@ class Envoy:
                 if made is not None:
                     self.points[name] = made
             return made
+        if name.startswith("hook_") and _semantic["tl"] is not None:   # TransformerLens's hook names (tl_names)
+            made = self.points.get(name)
+            if made is None:
+                made = _semantic["tl"](self, name)
+                if made is not None:
+                    self.points[name] = made
+            return made
         return None
+
+    def at(self, path: str):
+        """The envoy or hook point that the dotted string ``path`` names below this envoy.
+
+        ``m.at("model.layers.3.output")``, ``m.at("layers.3.resid_mid")``,
+        ``m.at("blocks.3.hook_resid_post")`` (TransformerLens's name, as
+        SAELens configs store it). See :func:`asyncinterp.hooks.aliases.lookup`.
+        """
+        from .aliases import lookup
+        return lookup(self, path)
 
     def build_semantic_point(self, envoy, name: str):
         """The semantic point ``name`` of ``envoy`` (called on the root envoy), or ``None``.
@@ -323,7 +345,7 @@ class Envoy:
             return
         made = self.points.get(name)
         if made is None and attr is None:
-            if name in SEMANTIC_NAMES:
+            if name in SEMANTIC_NAMES or name.startswith("hook_"):
                 made = getattr(self, name, None)
         if isinstance(made, Point):        # a semantic point (m.layers[1].resid_mid = h)
             made.replace(value)

@@ -30,6 +30,7 @@ import torch
 from ...kernel.errors import NotInRunError
 from ...engine import describe_invoke
 from ...hooks.batching import forward_kwargs
+from ...hooks.keywords import check_forward_kwargs
 from ...run import Run
 from ..generating import Generated, GeneratedInvoke, check_stop, eos_ids, stop_hit
 from .inputs import build_batch, check_length, pad_id_of
@@ -112,8 +113,11 @@ class LMRun(Run):
         call = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         if lm.takes_position_ids:
             call["position_ids"] = batch.position_ids
-        call.update(forward_kwargs(self.invokes))
         module = lm.module
+        extra = forward_kwargs(self.invokes)
+        if extra:
+            check_forward_kwargs(module, extra)     # unknown keywords are refused, never dropped (issue 33)
+            call.update(extra)
         return lambda: module(**call)
 
 
