@@ -60,8 +60,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import choices, confine, errors, jobs_api, model_names, openai_compat, receipts, sessions, structured
-from . import tokenize_api, wire
+from . import capabilities, choices, confine, errors, jobs_api, model_names, openai_compat, receipts, sessions
+from . import structured, tokenize_api, wire
 from . import logprobs as logprob_fields
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
@@ -232,6 +232,7 @@ class Server:
             Route("/version", self._version, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
+            *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
         ]
 
