@@ -349,7 +349,7 @@ class Supervisor(aio.Closable):
         pool.submit(job)
         return job
 
-    async def _wait(self, job: Job):
+    async def _wait(self, job: Ticket):
         try:
             while True:
                 kind, ok, value = await _next(job)
@@ -371,7 +371,7 @@ async def _next(job: Ticket):
 class SupervisedStream(EventStream):
     """Async iterator over a streaming generation's events, as :class:`~.batcher.GenerationStream`."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Ticket):
         self.job = job
 
     def _next(self):
