@@ -39,14 +39,10 @@ from ..hooks.modules import submodules
 from ..kernel.futures import Future
 from .capture import FORMAT, MAX_VALUE_DEPTH, version
 from .sandbox.checker import check_source
-from .sandbox.policy import ALLOWED_MODULES
-from .wire import WireError
+from .policy import ALLOWED_MODULES
+from .wire import DescriptionRefused, WireError  # noqa: F401 - DescriptionRefused: a wire error (its home)
 
 __all__ = ["DescriptionRefused", "checked", "intervention", "rebuild", "resolve", "trusted"]
-
-
-class DescriptionRefused(WireError):
-    """A captured description is malformed, forged, or of a format this side does not read."""
 
 
 def trusted(source: str, filename: str, namespace: dict) -> None:

@@ -26,7 +26,7 @@ import textwrap
 from ..hooks.aliases import STANDARD
 from ..hooks.envoy import SEMANTIC_NAMES, Envoy, point
 from ..kernel.errors import ModulePathError
-from .sandbox import policy
+from . import policy
 
 __all__ = ["ModuleTree", "check_names"]
 
