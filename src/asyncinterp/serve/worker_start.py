@@ -101,11 +101,19 @@ def context(model=None):
             # started (or restarted) with the name of our main script, which it then never runs (see below)
             data = multiprocessing.spawn.get_preparation_data("asyncinterp-worker")
             main = {k: data[k] for k in ("init_main_from_path", "init_main_from_name") if k in data}
+            # and with this process's import path (Python 3.11's fork server does not apply the one it is
+            # given, so it would preload the modules from wherever its default path finds them)
+            saved = os.environ.get("PYTHONPATH")
             os.environ[MAIN_ENV] = json.dumps(main)
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
             try:
                 multiprocessing.forkserver.ensure_running()
             finally:
                 os.environ.pop(MAIN_ENV, None)
+                if saved is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = saved
         return _context
 
 
@@ -269,13 +277,10 @@ def process_settings() -> dict:
     """What a fork copied of this process and a fresh worker must be told: torch's settings, the request log."""
     import torch
     log = logging.getLogger("asyncinterp.serve")
-    fmt = None
-    if log.handlers:
-        from .app import JsonFormatter
-        fmt = "json" if any(isinstance(h.formatter, JsonFormatter) for h in log.handlers) else "text"
+    formatter = next((h.formatter for h in log.handlers if h.formatter is not None), None)
     return {"threads": torch.get_num_threads(), "dtype": str(torch.get_default_dtype()).removeprefix("torch."),
             "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "log": (fmt, logging.getLevelName(log.level)) if fmt else None}
+            "log": (formatter, log.level, log.propagate) if log.handlers else None}
 
 
 def apply_settings(settings: dict) -> None:
@@ -287,9 +292,15 @@ def apply_settings(settings: dict) -> None:
         torch.set_default_dtype(getattr(torch, settings["dtype"]))
     if settings.get("deterministic"):
         torch.use_deterministic_algorithms(True)
-    if settings.get("log"):
-        from .startup import setup_logging
-        setup_logging(*settings["log"])
+    if settings.get("log"):   # the request log as the server set it up (startup.setup_logging): to stderr
+        formatter, level, propagate = settings["log"]
+        handler = logging.StreamHandler(sys.stderr)
+        if formatter is not None:
+            handler.setFormatter(formatter)
+        log = logging.getLogger("asyncinterp.serve")
+        log.handlers[:] = [handler]
+        log.setLevel(level)
+        log.propagate = propagate
 
 
 _stand_in_main()
