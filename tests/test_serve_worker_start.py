@@ -108,6 +108,30 @@ def test_the_weights_are_shared_not_copied(busy_server):
     assert ours == got["file"] and not ours.startswith("00:00:0 "), (ours, got["file"])   # one shared file
 
 
+def test_a_remote_job_and_a_session_run_in_the_workers_as_locally(busy_server):
+    """``ai.remote`` (``/v1/jobs``, ``/v1/sessions``): rebuilt and run in the code worker from the server it was
+    sent, with a closure over a client tensor and two invokes sharing a future."""
+    import asyncinterp as ai
+    server, live, _, _ = busy_server
+    direction = torch.linspace(-1.0, 1.0, 64)
+
+    async def steer(m):
+        h = await m.transformer.h[1].output
+        h[:] = h + 4.0 * direction
+        return (await m.lm_head.output)[:, -1].clone()
+
+    async def session(model):
+        return [await model.atrace(PROMPT, steer), await model.atrace("Hello", steer)]
+
+    with ai.remote(live.url, timeout=60) as lm, torch.no_grad():
+        assert torch.allclose(lm.trace(PROMPT, steer), server.model.trace(PROMPT, steer), atol=1e-5)
+        remote = lm.session(session)
+    import asyncio
+    with torch.no_grad():
+        local = asyncio.run(session(server.model))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(remote, local))
+
+
 def test_submitted_code_still_runs_confined_and_answers_as_locally(busy_server):
     server, live, _, _ = busy_server
     code = "async def f(m):\n    return (await m.lm_head.output)[:, -1].clone()\n"

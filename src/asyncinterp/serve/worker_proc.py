@@ -230,6 +230,7 @@ class Worker:
         self.scopes = {}    # request id -> its cancel scope
         self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,
                                          lambda r: self._out_of_memory(self.tags.get(r.meter)), **settings["batcher"])
+        server.batcher = self.batcher   # what the server's code reads of its batcher here (max_batch, ...)
         self.max_wait = self.batcher.max_wait
 
     def serve(self) -> None:
