@@ -73,6 +73,12 @@ def busy_server():
     server = Server(tiny("gpt2"), allow_code=True, max_wait_ms=1, timeout=60, builtin_interventions=False,
                     isolation=ProcessIsolation(hang_timeout=5.0))
     server.intervention("probe")(probe)
+    bias = torch.full((1,), 3.0)
+
+    async def shifted(m):
+        """A closure over a tensor of the server (sent by value: it cannot be imported)."""
+        return (await m.lm_head.output)[:, -1, :2] + bias
+    server.intervention("shifted")(shifted)
     server_threads = len(os.listdir("/proc/self/task"))
     t0 = time.perf_counter()
     server.batcher.start()
@@ -97,6 +103,16 @@ def test_a_worker_starts_with_no_thread_state_of_the_server(busy_server):
     assert got["lock_free"] is True                # the lock a server thread holds is free there (fresh import)
     assert got["mark"] == "as imported"            # module state as imported, not the server's memory
     print(f"\nworkers ready in {1000 * started:.0f} ms (fork server start included)")
+
+
+def test_a_registered_closure_over_a_tensor_reaches_the_worker(busy_server):
+    server, live, _, _ = busy_server
+    with Client(live.url, timeout=60) as c:
+        got = c.trace(PROMPT, "shifted")
+
+    async def first_two(m):
+        return (await m.lm_head.output)[:, -1, :2].clone()
+    assert torch.allclose(got, server.model.trace(PROMPT, first_two) + 3.0, atol=1e-5)
 
 
 def test_the_weights_are_shared_not_copied(busy_server):

@@ -379,7 +379,10 @@ class Pool:
             self.forked_edits = set(sup.server.names.edits)
             self.stale = False
         try:
-            w = sup.in_server_loop(self._spawn)
+            # the registrations as they are now, taken in the server's event loop (where they change); pickled
+            # here, on this pool's thread, so that the event loop is not held up by it
+            state = sup.in_server_loop(lambda: worker_start.snapshot(sup.server))
+            w = self._spawn(worker_start.pack_server(sup.server, state))
         except Exception as exc:  # noqa: BLE001 - counted as a failed start; the watch tries again
             log.error("cannot start the %s worker process: %s: %s", self.name, type(exc).__name__, exc)
             with self.cond:
@@ -401,13 +404,11 @@ class Pool:
             self._stop_process(w, 1.0)
         log.info("started the %s worker process (pid %s)", self.name, w.proc.pid)
 
-    def _spawn(self) -> WorkerHandle:
-        """Start a worker (in the server's event-loop thread, see :meth:`Supervisor.in_server_loop`, so that the
-        registrations it is sent do not change while they are pickled).
+    def _spawn(self, packed) -> WorkerHandle:
+        """Start a worker that receives ``packed`` (the server, :func:`~.worker_start.pack_server`).
 
         The process comes from the fork server (:mod:`.worker_start`): it inherits no thread of this process
-        and no lock, so no lock needs holding; the server (model, interventions, edits) is pickled for it as
-        it starts, the weights as handles to the shared memory they were moved to.
+        and no lock, so no lock needs holding; its weights are views of the shared block that goes with it.
         """
         sup = self.sup
         ctx = worker_start.context(sup.server.model)
@@ -416,9 +417,8 @@ class Pool:
         settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
                     "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
                     "confine": confine.wanted_for(self), **worker_start.process_settings()}
-        proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, worker_start.PackedServer(sup.server),
-                                                         settings), name=f"asyncinterp-worker-{self.name}",
-                           daemon=True)
+        proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, packed, settings),
+                           name=f"asyncinterp-worker-{self.name}", daemon=True)
         born = time.monotonic()
         try:
             proc.start()

@@ -181,7 +181,7 @@ class Supervisor(aio.Closable):
         self.pools = {"trusted": Pool(self, "trusted", 0)}
         if self.options.code_worker:
             self.pools["code"] = Pool(self, "code", self.options.code_nice)
-        self.loop = None            # the server's event loop (workers are started there, see in_server_loop)
+        self.loop = None            # the server's event loop (what workers are sent is read there, in_server_loop)
         self.closed = False
 
     @property
@@ -200,10 +200,10 @@ class Supervisor(aio.Closable):
     def in_server_loop(self, fn, timeout: float = 10.0):
         """``fn()`` run in the server's event-loop thread, between its callbacks; returns its result.
 
-        Workers are started there: registering interventions and installing
-        edits happen in that thread, so what a worker is sent (pickled while it
-        starts) does not change meanwhile. Before the first request (no loop
-        yet), ``fn()`` runs in the calling thread.
+        What a starting worker is sent is read there (:func:`~.worker_start.snapshot`):
+        registering interventions and installing edits happen in that thread,
+        so the snapshot is whole. Before the first request (no loop yet),
+        ``fn()`` runs in the calling thread.
         """
         loop = self.loop
         if loop is None:

@@ -64,8 +64,8 @@ import cloudpickle
 from ..hooks.envoy import Envoy
 from ..model import Model, _ModelLock
 
-__all__ = ["PRELOAD", "ServerPickler", "apply_settings", "context", "pack_server", "process_settings",
-           "share_model"]
+__all__ = ["PRELOAD", "PackedServer", "ServerPickler", "apply_settings", "context", "pack_server",
+           "process_settings", "share_model", "snapshot"]
 
 #: what the fork server imports once, so that each worker it forks starts warm (this module first: it stands
 #: in for the server's main script there)
@@ -197,10 +197,15 @@ class ServerPickler(cloudpickle.Pickler):
     # multiprocessing's table holds torch's reductions (tensors and storages as shared-memory handles)
     dispatch_table = ChainMap(ForkingPickler(io.BytesIO()).dispatch_table, cloudpickle.Pickler.dispatch_table)
 
-    def __init__(self, file, server):
+    def __init__(self, file, server, state: dict):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.server = server
+        self.state = state
         self.block = share_model(server.model)
+
+    def persistent_id(self, obj):
+        # the shared block itself goes beside these bytes, with the process's start (its descriptor)
+        return "shared-block" if self.block is not None and obj is self.block.flat else None
 
     def reducer_override(self, obj):
         import torch
@@ -209,8 +214,7 @@ class ServerPickler(cloudpickle.Pickler):
             return _shared_view, (self.block.flat, obj.storage_offset(), tuple(obj.size()), tuple(obj.stride()),
                                   obj.dtype, type(obj), obj.requires_grad)
         if obj is self.server:
-            state = {k: v for k, v in vars(obj).items() if k not in LEFT_BEHIND}
-            return _blank, (type(obj),), state, None, None, _server_state
+            return _blank, (type(obj),), self.state, None, None, _server_state
         if isinstance(obj, Envoy):
             state = dict(vars(obj))
             if isinstance(obj, Model):
@@ -222,27 +226,46 @@ class ServerPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def pack_server(server) -> bytes:
-    """``server`` as bytes for one worker (single use: the shared tensors' descriptors go with this start)."""
+def snapshot(server) -> dict:
+    """What a worker is sent of ``server``'s own attributes (dicts copied): taken where registrations happen
+    (the server's event loop), so that they do not change while :func:`pack_server` pickles them."""
+    return {k: (dict(v) if type(v) is dict else v) for k, v in vars(server).items() if k not in LEFT_BEHIND}
+
+
+def pack_server(server, state: dict | None = None) -> "PackedServer":
+    """``server`` (its :func:`snapshot` ``state``) pickled for one worker, beside its shared block."""
     buf = io.BytesIO()
-    ServerPickler(buf, server).dump(server)
-    return buf.getvalue()
+    pickler = ServerPickler(buf, server, snapshot(server) if state is None else state)
+    pickler.dump(server)
+    return PackedServer(buf.getvalue(), pickler.block.flat if pickler.block is not None else None)
 
 
 class PackedServer:
-    """The server as a worker's argument: pickled (:func:`pack_server`) when the worker process starts, so
-    that the shared tensors' file descriptors travel with that start; unpickled in the worker."""
+    """The server as a worker's argument: its bytes, and the shared block, whose file descriptor goes with
+    the process's start (torch's reduction, under the starting process); unpickled in the worker."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, data: bytes, flat):
+        self.data = data
+        self.flat = flat
 
     def __reduce__(self):
-        return _unpack, (pack_server(self.server),)
+        return _unpack, (self.data, self.flat)
 
 
-def _unpack(data: bytes):
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, flat):
+        super().__init__(file)
+        self.flat = flat
+
+    def persistent_load(self, pid):
+        if pid != "shared-block":
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        return self.flat
+
+
+def _unpack(data: bytes, flat):
     """In the worker: the server that :func:`pack_server` wrote (the server's own state, trusted)."""
-    return pickle.loads(data)
+    return _Unpickler(io.BytesIO(data), flat).load()
 
 
 def _shared_view(flat, offset, size, stride, dtype, cls, requires_grad):
