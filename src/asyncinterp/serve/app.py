@@ -177,7 +177,8 @@ class Server:
                                  max_queue=max_queue, exact=exact, name=f"serve-{self.name}")
         self.batcher = batcher or Batcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                           exact=exact, name=f"serve-{self.name}")
-        self.metrics = ServerMetrics(self.batcher, vllm=self.front.kind == "vllm")   # this server's own registry
+        self.metrics = ServerMetrics(self.batcher, vllm=getattr(model, "llm_engine", None)   # its own registry
+                                     if self.front.kind == "vllm" else None)
         self.interventions: dict[str, Registered] = {}
         self.names = model_names.ModelNames(self.name)      # served model names: edits, adapters
         self.receipts = receipts.Receipts(getattr(model, "module", model), self.front.kind, self.name,

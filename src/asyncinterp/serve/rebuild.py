@@ -38,16 +38,12 @@ from ..hooks.modules import submodules
 from ..kernel.futures import Future
 from .capture import FORMAT, MAX_VALUE_DEPTH, version
 from .sandbox.checker import check_source
-from .sandbox.policy import ALLOWED_MODULES
+from .policy import ALLOWED_MODULES
 from .source_lines import job_filename, job_token, remember
-from .wire import WireError
+from .wire import DescriptionRefused, WireError  # noqa: F401 - DescriptionRefused: a wire error (its home)
 
-__all__ = ["MAX_FUNCTIONS", "MAX_LINE", "MAX_SOURCE_TOTAL", "DescriptionRefused", "DescriptionTooLarge", "check_size", "checked",
-           "intervention", "rebuild", "resolve", "trusted"]
-
-
-class DescriptionRefused(WireError):
-    """A captured description is malformed, forged, or of a format this side does not read."""
+__all__ = ["MAX_FUNCTIONS", "MAX_LINE", "MAX_SOURCE_TOTAL", "DescriptionRefused", "DescriptionTooLarge", "check_size",
+           "checked", "intervention", "rebuild", "resolve", "trusted"]
 
 
 class DescriptionTooLarge(DescriptionRefused):

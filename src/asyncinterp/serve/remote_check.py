@@ -27,7 +27,7 @@ from ..hooks.aliases import STANDARD
 from ..hooks.envoy import SEMANTIC_NAMES, Envoy, point
 from ..hooks.tl_names import NAMES as TL_NAMES
 from ..kernel.errors import ModulePathError
-from .sandbox import policy
+from . import policy
 
 __all__ = ["ModuleTree", "check_names"]
 

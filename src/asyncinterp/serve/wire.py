@@ -58,6 +58,10 @@ class WireError(ValueError):
     """A value cannot be encoded, or bytes are not a valid message."""
 
 
+class DescriptionRefused(WireError):
+    """A captured description is malformed, forged, or of a format this side does not read."""
+
+
 @dataclass
 class Limits:
     """Bounds applied while decoding untrusted bytes."""

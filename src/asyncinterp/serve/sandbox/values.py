@@ -16,7 +16,7 @@ import torch
 
 from ...kernel.errors import ReplacementError  # a ValueError, as a local run raises
 
-from . import policy
+from .. import policy
 from .tensors import DisableTorchFunction, plain, private_copy, version_of
 
 

@@ -1,10 +1,16 @@
 """What client-submitted code may do: the sandbox's whole policy, as data, in this one file.
 
-Every other module of :mod:`asyncinterp.serve.sandbox` takes its decisions
+Why it stands outside :mod:`asyncinterp.serve.sandbox`: the client reads it
+too (what a capture may name as a module, what ``ai.remote`` checks before
+sending), and the client loads no server code; importing the sandbox package
+would load the whole sandbox. Its old path ``asyncinterp.serve.sandbox.policy``
+still imports (:mod:`asyncinterp.moved`).
+
+Every module of :mod:`asyncinterp.serve.sandbox` takes its decisions
 from the names below and from nowhere else: the checker (what source is
 refused before it runs), the instrumentation (which attribute reads are
 checked when they run), the proxy modules and builtins (what submitted code
-can reach), :class:`~.tensors.PrivateTensor` (which tensor operations run and
+can reach), :class:`~.sandbox.tensors.PrivateTensor` (which tensor operations run and
 how large their results may be), the model's restricted view and the clock.
 A reviewer who wants to know what submitted code may do reads this file.
 
