@@ -1,6 +1,6 @@
 """What a user who installed only ``asyncinterp[remote]`` runs against a live server (``tests/test_remote_install.py``).
 
-Run as a script: ``python remote_client_script.py URL API_KEY``. It uses ``ai.remote`` (a closure over a client
+Run as a script: ``python remote_client_script.py URL API_KEY``. It uses ``ai.remote`` (a global client
 tensor; two invokes sharing a future; a registered intervention; a session) and ``ai.serve.Client``, then prints
 one JSON line: the results, and every module of ``asyncinterp``, the server's frameworks and the model libraries
 that this process loaded (the test checks that none is a server module).
@@ -32,30 +32,39 @@ async def sweep(model, layers=(1, 0)):
     return out
 
 
-def main(url, key):
-    direction = torch.linspace(-1.0, 1.0, 64)
+DIRECTION = torch.linspace(-1.0, 1.0, 64)
 
-    async def steer(m):
+
+async def steer(m):
+    """Steering by a client tensor the function reads as a global (it travels with the job)."""
+    h = await m.transformer.h[1].output
+    h[:] = h + 4.0 * DIRECTION
+    return (await m.lm_head.output)[:, -1].clone()
+
+
+def patching(lm):
+    """Two invokes of one trace sharing a future: activation patching (its patched probabilities)."""
+    clean = ai.Future()
+
+    async def record(m):
+        clean.set_result((await m.transformer.h[1].output).clone())
+
+    async def patch(m):
         h = await m.transformer.h[1].output
-        h[:] = h + 4.0 * direction
-        return (await m.lm_head.output)[:, -1].clone()
+        h[:, -1] = (await clean)[:, -1]
+        return (await m.lm_head.output)[:, -1].softmax(-1)
 
+    with lm.trace() as run:
+        run.invoke(PROMPT, record)
+        patched = run.invoke("The Colosseum is in the city of", patch)
+    return patched.result
+
+
+def main(url, key):
     lm = ai.remote(url, api_key=key)
     try:
         steered = lm.trace(PROMPT, steer)
-        clean = ai.Future()
-
-        async def record(m):
-            clean.set_result((await m.transformer.h[1].output).clone())
-
-        async def patch(m):
-            h = await m.transformer.h[1].output
-            h[:, -1] = (await clean)[:, -1]
-            return (await m.lm_head.output)[:, -1].softmax(-1)
-
-        with lm.trace() as run:
-            run.invoke(PROMPT, record)
-            patched = run.invoke("The Colosseum is in the city of", patch)
+        patched = patching(lm)
         top = lm.trace(PROMPT, lm.registered("top_k", k=3))
         session = lm.session(sweep)
     finally:
@@ -65,7 +74,7 @@ def main(url, key):
     prefixes = ("asyncinterp", "starlette", "uvicorn", "pyseccomp", "prometheus_client", "transformers", "ray",
                 "vllm", "sqlalchemy")
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in prefixes)
-    print(json.dumps({"steered": steered.tolist(), "patched": patched.result.tolist(), "top": _plain(top),
+    print(json.dumps({"steered": steered.tolist(), "patched": patched.tolist(), "top": _plain(top),
                       "named": _plain(named), "session": session, "modules": loaded,
                       "asyncinterp": ai.__file__}))
 

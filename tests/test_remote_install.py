@@ -74,28 +74,8 @@ def expected():
     torch.set_num_threads(1)
     try:
         lm = tiny("gpt2")
-        direction = torch.linspace(-1.0, 1.0, 64)
-
-        async def steer(m):
-            h = await m.transformer.h[1].output
-            h[:] = h + 4.0 * direction
-            return (await m.lm_head.output)[:, -1].clone()
-
-        clean = ai.Future()
-
-        async def record(m):
-            clean.set_result((await m.transformer.h[1].output).clone())
-
-        async def patch(m):
-            h = await m.transformer.h[1].output
-            h[:, -1] = (await clean)[:, -1]
-            return (await m.lm_head.output)[:, -1].softmax(-1)
-
         with torch.no_grad():
-            with lm.trace() as run:
-                run.invoke(script.PROMPT, record)
-                patched = run.invoke("The Colosseum is in the city of", patch)
-            return {"steered": lm.trace(script.PROMPT, steer), "patched": patched.result,
+            return {"steered": lm.trace(script.PROMPT, script.steer), "patched": script.patching(lm),
                     "session": asyncio.run(script.sweep(lm))}
     finally:
         torch.set_num_threads(threads)

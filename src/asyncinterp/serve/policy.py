@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...hooks.tl_names import POINT_NAMES as TL_POINT_NAMES
+from ..hooks.tl_names import POINT_NAMES as TL_POINT_NAMES
 
 # --------------------------------------------------------------------------- limits
 MAX_SOURCE_CHARS = 20_000           # characters of submitted source
