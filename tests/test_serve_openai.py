@@ -513,8 +513,15 @@ def test_cli_builds_the_engine_in_one_place(monkeypatch, tmp_path):
                  "--engine-arg", "enable_prefix_caching=false", "--engine-arg", "tokenizer_mode=auto")
     assert build_model(args) == "engine"
     want = {"tensor_parallel_size": 2, "max_model_len": 512, "enable_prefix_caching": False,
-            "tokenizer_mode": "auto", "dtype": "auto" if torch.cuda.is_available() else "float32"}
+            "tokenizer_mode": "auto", "dtype": "auto" if torch.cuda.is_available() else "float32",
+            "disable_log_stats": False, "served_model_name": str(tmp_path)}
     assert made == [(str(tmp_path), want)]
+    # statistics on by default, as vLLM's server; --disable-log-stats as there; labelled with the served name
+    quiet = engine_options(_args(str(tmp_path), "--engine", "vllm", "--disable-log-stats",
+                                 "--served-model-name", "m"))
+    assert quiet["disable_log_stats"] is True and quiet["served_model_name"] == "m"
+    with pytest.raises(ValueError, match="need --engine vllm"):
+        engine_options(_args("tiny-gpt2", "--disable-log-stats"))
     assert engine_options(_args("tiny-gpt2")) == {}
     with pytest.raises(ValueError, match="need --engine vllm"):
         engine_options(_args("tiny-gpt2", "--max-model-len", "64"))
@@ -553,9 +560,9 @@ def vllm_dir(tiny_dir):
 
 @pytest.fixture(scope="module")
 def vllm_live(vllm_dir):
-    from vllm_helpers import ENGINE
+    from vllm_helpers import cli_engine
     torch.set_num_threads(THREADS)   # vLLM's CPU attention needs the thread count its engine was bound with
-    vm = ai.VLLM(vllm_dir, **ENGINE)
+    vm = cli_engine(vllm_dir, "--disable-log-stats", "--served-model-name", "tiny-vllm")   # as the CLI builds it
     srv = Live(Server(vm, api_keys=[KEY], name="tiny-vllm", allow_code=True, max_wait_ms=2))
     try:
         yield vm, srv
@@ -573,6 +580,20 @@ async def vllm_steer(m, factor: float = 1.0):
         ai.serve.emit(top)
         tops.append(top)
     return tops
+
+
+@pytest.mark.vllm
+def test_disable_log_stats_leaves_vllm_families_out_of_metrics(vllm_live):
+    """``--disable-log-stats``, as on vLLM's server: the engine records no statistics and ``/metrics`` has no
+    ``vllm:*`` family, even after completions (and even if an earlier engine in this process left some in
+    prometheus' global registry); ours are there."""
+    import httpx
+    vm, srv = vllm_live
+    assert vm.llm_engine.log_stats is False
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        c.completions.create(model="tiny-vllm", prompt="The quick brown fox", max_tokens=3, temperature=0)
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "asyncinterp_requests_total" in text and "vllm:" not in text
 
 
 @pytest.mark.vllm

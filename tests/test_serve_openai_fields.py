@@ -285,9 +285,9 @@ def vllm_pair(tiny_dir):
     import torch
 
     import asyncinterp as ai
-    from vllm_helpers import ENGINE, hf_model
+    from vllm_helpers import cli_engine, hf_model
     threads = torch.get_num_threads()
-    vm = ai.VLLM(tiny_dir, **ENGINE)
+    vm = cli_engine(tiny_dir, "--served-model-name", "tiny")   # as `asyncinterp serve --engine vllm` builds it
     torch.set_num_threads(threads)   # vLLM's CPU attention needs the thread count its engine was bound with
     hf = ai.LanguageModel(hf_model(tiny_dir), vm.tokenizer)
     v_srv = Live(Server(vm, api_keys=[KEY], name="tiny", max_wait_ms=2, timeout=120))
@@ -390,9 +390,38 @@ def test_vllm_extra_endpoints_and_metrics(vllm_pair):
         "prompt": vm.tokenizer.decode(ids)}
     before = scrape(url)
     ok = ("asyncinterp_requests_total", (("endpoint", "completions"), ("status", "200")))
-    for _ in range(4):
-        complete(vc, prompt=VLLM_PROMPT, max_tokens=2)
-    assert scrape(url)[ok] - before.get(ok, 0) == 4
+    generated = sum(complete(vc, prompt=VLLM_PROMPT, max_tokens=2)[1] for _ in range(4))
+    after = scrape(url)
+    assert after[ok] - before.get(ok, 0) == 4
+    # vLLM's own families, as its server shows them (statistics on by default, labelled with the served name)
+    label = (("engine", "0"), ("model_name", "tiny"))
+    assert ("vllm:num_requests_running", label) in after and ("vllm:kv_cache_usage_perc", label) in after
+    assert after[("vllm:prompt_tokens_total", label)] - before.get(("vllm:prompt_tokens_total", label), 0) == 4 * len(ids)
+    assert after[("vllm:generation_tokens_total", label)] - before.get(("vllm:generation_tokens_total", label), 0) == generated
+    assert sum(v for (name, labels), v in after.items() if name == "vllm:request_success_total") >= 4
+    ttft = ("vllm:time_to_first_token_seconds_count", label)
+    assert after[ttft] - before.get(ttft, 0) == 4 and after[("vllm:time_to_first_token_seconds_sum", label)] > 0
+    assert after[("vllm:e2e_request_latency_seconds_count", label)] >= 4
+
+
+@pytest.mark.vllm
+def test_vllm_metrics_are_the_families_vllms_own_server_shows(vllm_pair):
+    """Every family vLLM's own server would render at ``/metrics`` (its stat loggers' registry: the same
+    ``PrometheusStatLogger`` records here) is in ours, under the same name and type: dashboards work unchanged."""
+    from prometheus_client import generate_latest
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+    vm, v_srv, vc, hc = vllm_pair
+    assert vm.llm_engine.log_stats is True
+    complete(vc, prompt=VLLM_PROMPT, max_tokens=2)
+    rendered = generate_latest(get_prometheus_registry()).decode()   # what vLLM's server answers at /metrics
+    theirs = {(f.name, f.type) for f in text_string_to_metric_families(rendered) if f.name.startswith("vllm:")}
+    resp = httpx.get(v_srv.url + "/metrics", headers=AUTH)
+    ours = {(f.name, f.type) for f in text_string_to_metric_families(resp.text) if f.name.startswith("vllm:")}
+    assert theirs and ours == theirs
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens",
+                 "vllm:generation_tokens", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_success", "vllm:kv_cache_usage_perc"):
+        assert name in {n for n, _ in ours}, name
 
 
 @pytest.mark.vllm

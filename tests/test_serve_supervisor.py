@@ -421,8 +421,13 @@ def test_cli_allow_code_isolates_by_default_and_leaves_no_worker_behind():
         assert frozen.status == 504 and frozen.kind == "hung", frozen
         assert health["status"] == "ok" and dt < 1.0, (health, dt)
         assert top["ids"].shape == (1, 2)
-        h = httpx.get(f"{url}/v1/health", timeout=5).json()
-        pids = [w["pid"] for w in h["workers"].values()]
+        deadline = time.monotonic() + 30        # the replacement worker starts from the fork server (~0.2 s)
+        while True:
+            h = httpx.get(f"{url}/v1/health", timeout=5).json()
+            pids = [w["pid"] for w in h["workers"].values()]
+            if all(pids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert h["workers"]["code"]["restarts"] == 1 and all(pids), h
     finally:
         err, records = stop_server(proc, timeout=30)

@@ -59,3 +59,16 @@ def engines(tiny_dir):
     lm = ai.LanguageModel(hf_model(tiny_dir), vm.tokenizer)
     yield lm, vm
     vm.close()
+
+
+def cli_engine(path, *flags):
+    """``ai.VLLM`` over ``path`` as ``asyncinterp serve PATH --engine vllm`` builds it, with :data:`ENGINE`'s
+    options as flags and ``flags`` added (e.g. ``--disable-log-stats``)."""
+    import argparse
+
+    from asyncinterp.serve.cli import build_model, configure
+    p = argparse.ArgumentParser()
+    configure(p)
+    argv = [str(path), "--engine", "vllm", "--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
+            "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), "--seed", str(ENGINE["seed"]), *flags]
+    return build_model(p.parse_args(argv))

@@ -41,6 +41,8 @@ MOVED = {
     "asyncinterp.models.vllm_layout": "asyncinterp.models.vllm.layout",
     "asyncinterp.models.vllm_tp": "asyncinterp.models.vllm.tp",
     "asyncinterp.models.vllm_worker": "asyncinterp.models.vllm.worker",
+    # the client reads the sandbox's policy too, and loads no server code (issue 30)
+    "asyncinterp.serve.sandbox.policy": "asyncinterp.serve.policy",
 }
 
 

@@ -29,7 +29,9 @@ from .hooks.modules import (
     set_instance_forward,
     submodules,
 )
-from .hooks.batching import batch_inputs, check_forward_kwargs, forward_kwargs
+from .hooks.batching import batch_inputs, forward_kwargs
+from .hooks.callers import QUIET_THREADS, call_quietly, get_ident, is_quiet
+from .hooks.keywords import check_forward_kwargs
 from .hooks.firing import Firing, StaleEditWarning, StaleWatch
 from .hooks.views import WHOLE_BATCH, Layout
 from .invoke import PLAIN_RESULTS, Invoke, RunStopped, forgotten_await
@@ -90,7 +92,7 @@ class Run:
         self._installed = _NO_POINTS       # point keys hooked in this run (a set once one is)
         self._kept = _NO_POINTS            # modules given a keep-alive pre-hook (a set once one is)
         self._skips = None                 # module -> [(invoke, value, what)] replacing its next output
-        self._adhoc = 0
+        self._thread = None                # the thread executing this run's forward (set by start)
         self._taps = None                  # point key -> callbacks seeing each firing's final value
         self._pending_skips = None         # forward swaps of skip(), to check they were applied
         self._attached_caller = None       # the invoke calling an attached module right now
@@ -213,7 +215,7 @@ class Run:
         return attached_hook
 
     def _keepalive(self, module, args):
-        if self.cancelled:
+        if self.cancelled and get_ident() == self._thread:
             raise StopForward()
 
     def already_ran(self, trap, current_point) -> bool:
@@ -267,8 +269,9 @@ class Run:
 
     @property
     def in_adhoc_call(self) -> bool:
-        """True while an intervention calls a module ad hoc (no point fires)."""
-        return self._adhoc > 0
+        """True while a module call in progress must reach none of this run's points: an ad hoc call, or a
+        call made on another thread than the one executing this run (see :mod:`.hooks.callers`)."""
+        return is_quiet(self._thread)
 
     def _interrupt(self) -> None:
         """After a delivery that left a failure, a stop or a cancel: raise ``StopForward`` if the model must stop now."""
@@ -284,7 +287,8 @@ class Run:
     def output_hook(self, point):
         """The forward hook that delivers module point ``point`` (subclasses may wrap it)."""
         def hook(module, args, output):
-            if self._adhoc:
+            ident = get_ident()
+            if ident != self._thread or ident in QUIET_THREADS:
                 return None
             layout = self.layout
             kernel = self.kernel
@@ -311,7 +315,8 @@ class Run:
     def input_hook(self, point):
         """The forward pre-hook (with kwargs) that delivers module point ``point`` (subclasses may wrap it)."""
         def hook(module, args, kwargs):
-            if self._adhoc:
+            ident = get_ident()
+            if ident != self._thread or ident in QUIET_THREADS:
                 return None
             layout = self.layout
             kernel = self.kernel
@@ -431,11 +436,7 @@ class Run:
             self._attached_caller = prev
 
     def call_adhoc(self, module, args, kwargs):
-        self._adhoc += 1
-        try:
-            return module(*args, **kwargs)
-        finally:
-            self._adhoc -= 1
+        return call_quietly(module, args, kwargs)
 
     def parked_holding(self, task) -> None:
         """Kernel host: ``task`` waits on a future or sub-task holding the value of ``task.position``."""
@@ -499,7 +500,8 @@ class Run:
         self.stepping = True
 
         def pre(mod, args, kwargs):
-            if self._adhoc:
+            ident = get_ident()
+            if ident != self._thread or ident in QUIET_THREADS:
                 return None
             if self.cancelled:
                 raise StopForward()
@@ -535,6 +537,7 @@ class Run:
         (vLLM's worker) call it, then ``begin_step``/``end_invoke``, then
         ``finish`` and ``cleanup``.
         """
+        self._thread = get_ident()
         kernel = self.kernel = Kernel(self, self.on_error)
         model = self.model
         for inv in self.invokes:

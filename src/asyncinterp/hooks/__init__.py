@@ -9,3 +9,4 @@ host interface these points are written against (``host``).
 
 from . import grad  # noqa: E402,F401  (registers point.grad)
 from . import semantic  # noqa: E402,F401  (registers the semantic points of transformers models)
+from . import tl_names  # noqa: E402,F401  (registers TransformerLens's hook names: blocks.3.hook_resid_post)

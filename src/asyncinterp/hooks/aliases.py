@@ -30,7 +30,8 @@ import weakref
 from .archs import Refused, alias_override
 from .modules import submodules
 
-__all__ = ["STANDARD", "register", "set_alias", "aliases_of", "copy_aliases", "resolve", "standard_names"]
+__all__ = ["STANDARD", "register", "set_alias", "aliases_of", "copy_aliases", "resolve", "standard_names",
+           "real_or_alias", "lookup"]
 
 # standard name -> candidate relative paths, tried in order
 STANDARD: dict[str, list[str]] = {
@@ -102,6 +103,9 @@ def _lookup(envoy, path: str):
 
 def resolve(envoy, name: str):
     """The envoy that standard name ``name`` means below ``envoy``, or ``None``."""
+    lens = TL_MODULE_NAMES.get(name)      # TransformerLens's ``blocks``, ``ln_final``: our standard names
+    if lens is not None and not (_overrides and name in _overrides.get(envoy, {})):
+        return real_or_alias(envoy, lens)
     if _overrides and envoy.parent is None:
         override = _overrides.get(envoy, {}).get(name)
         if override is not None:
@@ -147,7 +151,44 @@ def standard_names(model) -> dict:
     return out
 
 
-def _real_or_alias(envoy, name):
+#: TransformerLens's module names -> our standard names (its point names: asyncinterp.hooks.tl_names)
+TL_MODULE_NAMES: dict[str, str] = {"blocks": "layers", "ln_final": "final_norm"}
+
+
+def real_or_alias(envoy, name):
+    """The child ``name`` of ``envoy``: a real submodule, else what the standard name means; or ``None``."""
     if name in submodules(envoy.module):
         return envoy.child(name)
     return resolve(envoy, name)
+
+
+_real_or_alias = real_or_alias
+
+
+def lookup(envoy, path: str):
+    """The envoy or point that dotted ``path`` names below ``envoy`` (what ``envoy.at(path)`` returns).
+
+    Each part is what attribute access gives (``getattr(e, part)``): real
+    module names, standard names, semantic points, TransformerLens's names
+    and ``output``/``inputs``/``input``; a part of digits is a submodule by
+    name (``layers.3``). So a cache key (``model.layers.3.output``), a module
+    path, and a TransformerLens hook name (``blocks.3.hook_resid_post``, as
+    SAELens stores it in ``sae.cfg.metadata.hook_name``) all work. A last
+    part named ``hook_*`` that is a real module (a wrapped TransformerLens
+    model's ``HookPoint``) gives that module's ``.output``: a hook name
+    always names a value.
+    """
+    from ..kernel.errors import ModulePathError
+    from .points import Point
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"a point path is a non-empty dotted string, got {path!r}")
+    here = envoy
+    done = []
+    for part in path.split("."):
+        if isinstance(here, Point):
+            raise ModulePathError(f"{'.'.join(done)} in {path!r} is a hook point; it has nothing named {part!r}")
+        here = getattr(here, part)
+        done.append(part)
+    if not isinstance(here, Point) and done[-1].startswith("hook_") and hasattr(here, "output"):
+        here = here.output
+    return here

@@ -10,8 +10,6 @@ replace this with their own batcher.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from .views import WHOLE_BATCH, BatchLayout
@@ -123,24 +121,3 @@ def forward_kwargs(invokes) -> dict:
             raise ValueError("invokes batched in one run must pass the same forward keyword arguments; "
                              f"got {sorted(merged)} and {sorted(inv.kwargs)}")
     return merged or {}
-
-
-def check_forward_kwargs(module, kwargs: dict) -> None:
-    """Raise a clear ``TypeError`` if ``module.forward`` cannot take these keyword arguments."""
-    if not kwargs:
-        return
-    try:
-        sig = inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        return
-    params = sig.parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = [n for n, p in params.items()
-                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    unknown = [k for k in kwargs if k not in accepted]
-    if unknown:
-        raise TypeError(
-            f"{type(module).__name__}.forward takes no keyword argument(s) {unknown}: keyword arguments of "
-            f"trace/invoke go to the model's forward (it accepts {accepted}); pass interventions positionally, "
-            "e.g. model.trace(x, fn)")

@@ -19,6 +19,7 @@ import difflib
 
 from ..kernel.errors import ModulePathError, NotInRunError
 from ..kernel.scheduler import current_run, current_task
+from .callers import call_quietly
 from .modules import submodules
 from .points import Point
 
@@ -27,7 +28,7 @@ _BASE_KINDS = ("output", "inputs")
 #: TransformerLens's names, looked up on a miss only (see asyncinterp.hooks.semantic)
 SEMANTIC_NAMES = frozenset(("resid_pre", "resid_mid", "resid_post", "q", "k", "v", "z", "pattern", "pre", "post",
                             "logits", "router", "per_expert", "routed"))   # (the last three: MoE blocks, hooks/moe.py)
-_semantic = {"build": None}
+_semantic = {"build": None, "tl": None}
 
 
 _special_envoys: list = []   # (test(module) -> bool, envoy class): e.g. MoE routers (asyncinterp.hooks.moe)
@@ -49,6 +50,11 @@ def special_envoy_class(module) -> type:
 def register_semantic(builder) -> None:
     """Make ``Envoy.build_semantic_point`` use ``builder(envoy, name)`` (called once by asyncinterp.hooks.semantic)."""
     _semantic["build"] = builder
+
+
+def register_tl_names(builder) -> None:
+    """Make TransformerLens's ``hook_*`` names use ``builder(envoy, name)`` (called once by asyncinterp.hooks.tl_names)."""
+    _semantic["tl"] = builder
 
 
 class HookPoint(Point):
@@ -293,7 +299,24 @@ class Envoy:
                 if made is not None:
                     self.points[name] = made
             return made
+        if name.startswith("hook_") and _semantic["tl"] is not None:   # TransformerLens's hook names (tl_names)
+            made = self.points.get(name)
+            if made is None:
+                made = _semantic["tl"](self, name)
+                if made is not None:
+                    self.points[name] = made
+            return made
         return None
+
+    def at(self, path: str):
+        """The envoy or hook point that the dotted string ``path`` names below this envoy.
+
+        ``m.at("model.layers.3.output")``, ``m.at("layers.3.resid_mid")``,
+        ``m.at("blocks.3.hook_resid_post")`` (TransformerLens's name, as
+        SAELens configs store it). See :func:`asyncinterp.hooks.aliases.lookup`.
+        """
+        from .aliases import lookup
+        return lookup(self, path)
 
     def build_semantic_point(self, envoy, name: str):
         """The semantic point ``name`` of ``envoy`` (called on the root envoy), or ``None``.
@@ -345,7 +368,7 @@ class Envoy:
             return
         made = self.points.get(name)
         if made is None and attr is None:
-            if name in SEMANTIC_NAMES:
+            if name in SEMANTIC_NAMES or name.startswith("hook_"):
                 made = getattr(self, name, None)
         if isinstance(made, Point):        # a semantic point (m.layers[1].resid_mid = h)
             made.replace(value)
@@ -413,14 +436,15 @@ class Envoy:
         run.skip(self, current_task(), value)
 
     def __call__(self, *args, **kwargs):
-        """Call the module ad hoc: inside a run no hook point fires for this call.
+        """Call the module ad hoc: no hook point fires for this call, inside a run or outside one (a module
+        called outside any run never reaches the hooks of a run executing elsewhere, see :mod:`.callers`).
 
         A module attached to the model (``model.attach(name, module)``) is
-        different: calling it is a real call, and its own points fire.
+        different: calling it inside a run is a real call, and its own points fire.
         """
         run = current_run()
         if run is None:
-            return self.module(*args, **kwargs)
+            return call_quietly(self.module, args, kwargs)
         if self.attached:
             return run.call_attached(self, args, kwargs)
         return run.call_adhoc(self.module, args, kwargs)

@@ -69,7 +69,8 @@ class RunHost(Protocol):
 
     @property
     def in_adhoc_call(self) -> bool:
-        """True while an intervention calls a module ad hoc (no point fires then)."""
+        """True while a module call in progress must reach none of this run's points: an intervention's ad hoc
+        call, or a call from another thread than the one executing the run (:mod:`.callers`)."""
 
     # --- requests from interventions
     def replace(self, trap, task, value, shape_change: bool = False, dtype_change: bool = False) -> None: ...

@@ -26,8 +26,10 @@ no-op), and a flat ``[b * n]`` value cannot be split into invokes. Here:
   :class:`MoEPointError`, never a silent no-op or a wrong routing.
 * ``gate.output`` on such a block is the same firing shown as the router's
   own tuple ``(logits [b, n, E], weights [b, n, k], indices [b, n, k])``;
-  an edit of ``[0]`` is routed again like ``router``; edits of the weights
-  or indices themselves are kept as given.
+  an edit of ``[0]`` (in place, or a replaced tuple) is routed again like
+  ``router``; weights or indices that differ from the router's are kept as
+  given for those tokens. Edits are found by value, token by token, never
+  by object identity: a replaced tuple holds the user's views.
 * ``per_expert``: ``[b, n, E, hidden]``, what each expert outputs for every
   token, before the routing weight (computed when awaited from the experts'
   input and weights: the fused experts module never materialises it for
@@ -181,7 +183,9 @@ def _install(run, block, active):
         if run.in_adhoc_call or not ("router" in active or "gate_output" in active):
             return None
         logits, weights, indices = output
-        before = logits.clone()
+        # copies of what the router gave: edits (in place or by replacement) are found by value, per token,
+        # never by object identity (a replaced tuple holds the user's views, never the router's own objects)
+        before, w_before, i_before = logits.clone(), weights.clone(), indices.clone()
         new_logits, new_w, new_i = logits, weights, indices
         if "router" in active:
             new = run.fire(active["router"], rows(logits))
@@ -192,12 +196,8 @@ def _install(run, block, active):
             new = run.fire(active["gate_output"], view)
             if new is not None:
                 new_logits, new_w, new_i = (t.reshape(o.shape) for t, o in zip(new, output))
-        if new_w is weights and new_i is indices and not torch.equal(new_logits, before):
-            check_rule(block.path, mod, before, weights, indices)   # the rule must reproduce the router's own
-            new_w, new_i = route(mod, new_logits, weights)           # the logits changed: route again
-        if new_logits is logits and new_w is weights and new_i is indices:
-            return None
-        return new_logits, new_w, new_i
+        return _settle(block.path, mod, (logits, weights, indices), (before, w_before, i_before),
+                       (new_logits, new_w, new_i))
 
     def on_experts(mod, args, output):
         if run.in_adhoc_call:
@@ -216,6 +216,39 @@ def _install(run, block, active):
     run.on_cleanup(add_forward_hook(experts, on_experts))
     run.keep_ancestors(block.child("gate"))
     run.keep_ancestors(block.child("experts"))
+
+
+def _differs(new, old):
+    """Per token row: whether ``new`` differs from ``old`` in any element (NaN equals NaN)."""
+    same = new == old
+    if new.is_floating_point():
+        same |= new.isnan() & old.isnan()
+    return ~same.all(-1)
+
+
+def _settle(path, router, output, original, edited):
+    """The gate's output after the interventions: ``None`` (unchanged or edited in place) or a new tuple.
+
+    Per token row: where the top-k weights or indices differ from what the
+    router gave, they are kept as given; elsewhere, if the logits differ,
+    the weights and indices are routed again from the edited logits (after
+    checking that the router's rule is the one re-routing uses). So a
+    replaced tuple ``(masked_logits, weights, indices)`` re-routes exactly
+    like an in-place mask, and an explicit routing is honoured as given.
+    """
+    logits, weights, indices = output
+    before, w_before, i_before = original
+    new_logits, new_w, new_i = edited
+    if _differs(new_logits, before).any():
+        given = _differs(new_w, w_before) | _differs(new_i, i_before)
+        check_rule(path, router, before, w_before, i_before)   # the rule must reproduce the router's own
+        routed_w, routed_i = route(router, new_logits, w_before)
+        keep = given.unsqueeze(-1)
+        new_w = torch.where(keep, new_w, routed_w)
+        new_i = torch.where(keep, new_i, routed_i)
+    if new_logits is logits and new_w is weights and new_i is indices:
+        return None
+    return new_logits, new_w, new_i
 
 
 def moe_point(envoy, name: str):

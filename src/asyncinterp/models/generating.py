@@ -19,6 +19,10 @@ from ..job import Trace
 
 _NOTHING = object()
 
+#: ``run.context`` key of ``{invoke index: seed}``: each invoke of a generation samples from a generator of its
+#: own, seeded so (the serving batcher gives every request one; see :mod:`asyncinterp.models.hf.sampling`)
+SEEDS = "generation.seeds"
+
 
 class generation_point(point):
     """Descriptor for a model-level point of a generating model (``m.logits``, ``m.tokens``).

@@ -11,13 +11,22 @@
   (what a server would refuse shows here; see docs/remote.md).
 
 See docs/serving.md.
+
+Every name here is imported on first use: ``ai.remote`` and the clients live
+in this package (:mod:`.remote`, :mod:`.client`, the job's writing side
+:mod:`.job_form`, :mod:`.wire`) and must load no server module (the batcher,
+the app, the sandbox), nor need the server's dependencies.
 """
 
-from .batcher import Batcher, BatcherClosed, BatcherFull, GenerateResult, emit
 from .wire import RemoteError, WireError
+
+_BATCHER = ("Batcher", "BatcherClosed", "BatcherFull", "GenerateResult", "emit")
 
 
 def __getattr__(name):
+    if name in _BATCHER:
+        from . import batcher
+        return getattr(batcher, name)
     # the HTTP parts need starlette/httpx (the `serve` extra): imported on first use
     if name in ("Param", "Range", "MaxLen", "ModulePath"):
         from . import params

@@ -60,8 +60,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import aio
-from . import choices, confine, errors, jobs_api, model_names, openai_compat, receipts, sessions, structured
-from . import tokenize_api, wire
+from . import capabilities, choices, confine, errors, jobs_api, model_names, openai_compat, receipts, sessions
+from . import structured, tokenize_api, wire
 from . import logprobs as logprob_fields
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
@@ -177,7 +177,8 @@ class Server:
                                  max_queue=max_queue, exact=exact, name=f"serve-{self.name}")
         self.batcher = batcher or Batcher(model, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                           exact=exact, name=f"serve-{self.name}")
-        self.metrics = ServerMetrics(self.batcher, vllm=self.front.kind == "vllm")   # this server's own registry
+        self.metrics = ServerMetrics(self.batcher, vllm=getattr(model, "llm_engine", None)   # its own registry
+                                     if self.front.kind == "vllm" else None)
         self.interventions: dict[str, Registered] = {}
         self.names = model_names.ModelNames(self.name)      # served model names: edits, adapters
         self.receipts = receipts.Receipts(getattr(model, "module", model), self.front.kind, self.name,
@@ -232,6 +233,7 @@ class Server:
             Route("/version", self._version, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
+            *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
         ]
 
@@ -327,10 +329,20 @@ class Server:
                 return value, len(value)
             raise RequestFailed("request", "input must be a prompt string or a non-empty list of token ids")
         if isinstance(value, torch.Tensor):
+            self._check_rows(value)
             return value, 0
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            for v in value:
+                self._check_rows(v)
             return tuple(value), 0
         raise RequestFailed("request", "input must be a tensor (or a list of tensors) for this model")
+
+    def _check_rows(self, t) -> None:
+        """A tensor input's batch dimension (dim 0) counts against ``max_batch``, as a list of prompts does."""
+        rows = t.shape[0] if t.dim() else 1
+        if rows > self.batcher.max_batch:
+            raise RequestFailed("too_large", f"input: {rows} rows exceed max_batch={self.batcher.max_batch}: "
+                                             "split them into several requests")
 
     def _check_new_tokens(self, length, n, param="max_new_tokens"):
         """Refuse a generation length outside ``[1, max_new_tokens]`` or past the model's context."""

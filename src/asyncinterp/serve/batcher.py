@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 
@@ -46,7 +47,7 @@ from .. import aio
 from ..kernel.errors import RunCancelled
 from ..job import Trace
 from ..kernel.scheduler import current_run
-from ..models.generating import check_stop, eos_ids, stop_hit
+from ..models.generating import SEEDS, check_stop, eos_ids, stop_hit
 from .requests import REQUESTS, BatcherClosed, BatcherFull, GenerateResult, Ledger, Meter, Request, emit  # noqa: F401
 
 log = logging.getLogger("asyncinterp.serve")
@@ -73,6 +74,20 @@ def _shape_key(x):
         return ("v", x)
     except TypeError:
         return ("id", id(x))
+
+
+def _own_seed(gen: dict) -> dict:
+    """A generation request's options with a seed of its own: its samples then come from its own generator
+    (vLLM's per-request generators; :mod:`asyncinterp.models.hf.sampling`), never from one that its
+    batch-mates or their interventions draw from. A request without a seed gets a fresh random one."""
+    if gen.get("seed") is not None:
+        return gen
+    return {**gen, "seed": secrets.randbits(62)}
+
+
+def _generation_key(gen: dict) -> tuple:
+    """Which generation requests can share a generate call: equal options, the seed aside (it is per request)."""
+    return tuple(sorted((k, _freeze(v)) for k, v in gen.items() if k != "seed"))
 
 
 def _freeze(obj):
@@ -209,11 +224,8 @@ class Batcher(aio.Closable):
         if kind == "trace":
             key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())), grad)
         else:
-            key = ("generate", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
-            if gen.get("seed") is not None:
-                # a seeded request runs alone: its draws then depend on its seed and prompt only (as in vLLM),
-                # not on which requests shared its generate call (they would share one random stream)
-                key += (object(),)
+            gen = _own_seed(gen)
+            key = ("generate", self._input_key(input), _generation_key(gen))
         req = Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream, meter)
         req.meter.attach(self.ledger)
         self._submit(req)
@@ -228,13 +240,20 @@ class Batcher(aio.Closable):
         if kind == "generate":
             if not self._is_lm:
                 raise TypeError("generation requests need a LanguageModel (with a tokenizer and generate)")
-            key = ("generate", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in gen.items())))
+            key = ("generate", self._input_key(invokes[0][0]), _generation_key(gen))
         else:
             kwargs = invokes[0][2] if len(invokes[0]) > 2 else {}   # (the invokes of a job agree on them)
             grad = any(getattr(fn, "needs_grad", False) for invoke in invokes for fn in invoke[1])
             key = ("trace", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())),
                    grad)
+        if any(invoke[0] is None for invoke in invokes):
+            # an invoke without input sees "the whole batch": the group runs in a batch of its own, so that batch
+            # holds this job's rows only, never another request's
+            key += (object(),)
         req = Group(kind, invokes, key, gen, max_new_tokens, on_cancel, stream, meter, on_error)
+        if kind == "generate":
+            for member in req.members:   # as locally: the job's seed for every invoke, or a fresh one for each
+                member.gen = _own_seed(member.gen)
         req.meter.attach(self.ledger)
         self._submit(req)
         return req
@@ -447,8 +466,10 @@ class Batcher(aio.Closable):
         # point, as a stopped run would leave them); the shared forward goes on for the others
         if generating:
             n_max = max(r.max_new_tokens for r in live)
+            shared = {k: v for k, v in live[0].gen.items() if k != "seed"}   # (seeds are per request: SEEDS)
             run = Trace(model, "generate", "continue", stop_per_invoke=True,
-                        generation=dict(live[0].gen, max_new_tokens=n_max))
+                        generation=dict(shared, max_new_tokens=n_max))
+            seeds = run.context[SEEDS] = {}
         else:
             run = Trace(model, "trace", "continue", stop_per_invoke=True)
         requests = {}
@@ -460,6 +481,8 @@ class Batcher(aio.Closable):
                 r.deliver(False, exc)
                 continue
             requests[inv.index] = r
+            if generating:
+                seeds[inv.index] = r.gen.get("seed")
             r.attach(inv)
         if not requests:
             return

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..hooks.envoy import Envoy
 from ..tools.cache import Cache
-from .rebuild import DescriptionRefused
+from .wire import DescriptionRefused
 
 __all__ = ["build_cache", "describe_cache", "fill_cache", "recorded_of"]
 

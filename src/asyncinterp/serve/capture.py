@@ -41,7 +41,7 @@ import torch
 
 from ..hooks.envoy import Envoy
 from ..kernel.futures import Future
-from .sandbox.policy import ALLOWED_MODULES
+from .policy import ALLOWED_MODULES
 
 __all__ = ["FORMAT", "MAX_VALUE_DEPTH", "Capture", "describe", "version"]
 

@@ -9,9 +9,10 @@ messages over :data:`MAX_MESSAGE` bytes (it then treats the worker as
 broken). ``multiprocessing`` connections are used only through
 ``send_bytes``/``recv_bytes``, never ``send``/``recv`` (which pickle).
 
-The heartbeat is an 8-byte counter in shared memory (an anonymous
-``mmap``, shared across ``fork``) that a thread of the worker bumps every
-few milliseconds. A C-level loop that never releases the GIL stops every
+The heartbeat is an 8-byte counter in shared memory (a ``memfd`` mapped
+by both processes; its descriptor travels with the worker's start, see
+:mod:`.worker_start`) that a thread of the worker bumps every few
+milliseconds. A C-level loop that never releases the GIL stops every
 Python thread of the worker, that one included: the counter stands still,
 and the server, which reads it from its own process, sees it.
 """
@@ -19,7 +20,9 @@ and the server, which reads it from its own process, sees it.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
+import tempfile
 import threading
 import time
 
@@ -66,11 +69,22 @@ class Channel:
 
 
 class Heartbeat:
-    """A counter in memory shared with a forked worker: the worker :meth:`beat`\\ s, the server :meth:`read`\\ s."""
+    """A counter in memory shared with a worker: the worker :meth:`beat`\\ s, the server :meth:`read`\\ s.
 
-    def __init__(self):
-        self.map = mmap.mmap(-1, 8)   # anonymous and MAP_SHARED: the same page in the server and the worker
+    Pickled (as a worker process's argument), it sends its memory's descriptor along; the worker maps the
+    same page (:func:`_attach`).
+    """
+
+    def __init__(self, fd: int | None = None):
+        if fd is None:
+            fd = _shared_file()
+        self.fd = fd
+        self.map = mmap.mmap(fd, 8)   # MAP_SHARED: the same page in the server and the worker
         self.count = 0
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return _attach, (DupFd(self.fd),)
 
     def beat(self) -> None:
         self.count += 1
@@ -90,3 +104,23 @@ class Heartbeat:
             self.map.close()
         except (BufferError, ValueError):
             pass
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _shared_file() -> int:
+    """A descriptor of 8 zero bytes of shared memory (a memfd; an unlinked temporary file where there is none)."""
+    try:
+        fd = os.memfd_create("asyncinterp-heartbeat", getattr(os, "MFD_CLOEXEC", 1))
+    except (AttributeError, OSError):
+        fd, path = tempfile.mkstemp(prefix="asyncinterp-heartbeat-")
+        os.unlink(path)
+    os.ftruncate(fd, 8)
+    return fd
+
+
+def _attach(dup) -> Heartbeat:
+    """In the worker: the server's heartbeat, from the descriptor that came with the start."""
+    return Heartbeat(dup.detach())

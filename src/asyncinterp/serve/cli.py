@@ -58,6 +58,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="most requests per engine step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="token budget per step")
     g.add_argument("--seed", type=int, default=None, help="the engine's random seed")
+    g.add_argument("--disable-log-stats", action="store_true", default=None,
+                   help="as vLLM's server: do not record the engine's statistics (then /metrics has no vllm:* "
+                        "families; by default they are recorded and shown)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vllm.LLM keyword (repeatable; VALUE is parsed as JSON when it can be)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -115,7 +118,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 _VLLM_FLAGS = ("tensor_parallel_size", "dtype", "max_model_len", "kv_cache_memory_bytes", "max_num_seqs",
-               "max_num_batched_tokens", "seed")
+               "max_num_batched_tokens", "seed", "disable_log_stats")
 
 
 def engine_options(args) -> dict:
@@ -135,6 +138,10 @@ def engine_options(args) -> dict:
         if options:
             raise ValueError(f"{sorted(options)}: engine options need --engine vllm")
         return {}
+    # as vLLM's server (not its offline LLM): statistics on unless --disable-log-stats, labelled with the name
+    # clients use, so /metrics carries vLLM's own families (serve/metrics.py)
+    options.setdefault("disable_log_stats", False)
+    options.setdefault("served_model_name", getattr(args, "served_model_name", None) or args.model)
     if "dtype" not in options:
         import torch
         options["dtype"] = "auto" if torch.cuda.is_available() else "float32"

@@ -18,6 +18,11 @@ function, no closures), a ``functools.partial`` of one (its keywords become
 parameters), or source text. Errors raised on the server come back as
 :class:`~asyncinterp.serve.wire.RemoteError` with the remote type, message
 and the intervention's own traceback lines.
+
+The client loads no server module (``tests/test_remote_install.py``): it
+imports the wire format, the capture of functions and the job's writing
+side only; :func:`session_body` (a session's request body) lives here for
+that reason.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from . import wire
+from .capture import Capture
 from .wire import RemoteError
 
 MSGPACK = "application/msgpack"
@@ -168,7 +174,6 @@ class Client(_Base):
     def session(self, fn, *, timeout: float | None = None):
         """Run ``fn`` (``async def fn(model)`` calling ``await model.atrace(...)``) on the server as one job;
         returns its result (see :mod:`.sessions`). The same function runs locally: ``await fn(lm)``."""
-        from .sessions import session_body
         r = self._http.post(f"{self.url}/v1/sessions", content=session_body(fn, timeout), headers=self.headers,
                             timeout=self._http_timeout(timeout))
         return _decode_response(r.status_code, r.content)["result"]
@@ -228,7 +233,6 @@ class AsyncClient(_Base):
 
     async def session(self, fn, *, timeout: float | None = None):
         """:meth:`Client.session` as a coroutine (cancelling it stops the session on the server)."""
-        from .sessions import session_body
         r = await self._http.post(f"{self.url}/v1/sessions", content=session_body(fn, timeout),
                                   headers=self.headers, timeout=self._http_timeout(timeout))
         return _decode_response(r.status_code, r.content)["result"]
@@ -250,3 +254,16 @@ class AsyncClient(_Base):
 
     async def __aexit__(self, *exc):
         await self.aclose()
+
+
+def session_body(fn, timeout: float | None = None) -> bytes:
+    """The request body that runs ``fn`` (an ``async def`` taking the model) as a session on a server."""
+    capture = Capture()
+    try:
+        spec = capture.add_intervention(fn)
+    except TypeError as exc:
+        raise TypeError(f"this session cannot travel: {exc}") from None
+    body = {"capture": capture.description(), "session": spec}
+    if timeout is not None:
+        body["timeout"] = timeout
+    return wire.packb(body)

@@ -102,7 +102,7 @@ class VLLMFront(EngineFront):
 
     def generation_input(self, prompt, cache_salt=None, cache_scope=None):
         # the engine's run salts a plain request's prefix cache with it; a request with an intervention gets a
-        # salt of its own instead, unless it runs only a named edit set: then its scope's (VLLMRun.cache_salt)
+        # salt of its own instead, unless it runs only a named edit set: then its scope's (LiveJob.cache_salt)
         if cache_salt is None and cache_scope is None:
             return prompt
         ids = prompt if isinstance(prompt, list) else list(self.model.tokenizer(prompt)["input_ids"])

@@ -150,7 +150,7 @@ class RequestFailed(Exception):
         if isinstance(exc_or_msg, BaseException):
             self.error = wire.encode_error(exc_or_msg, kind)
         else:
-            self.error = {"type": known.type, "message": str(exc_or_msg), "traceback": [], "notes": [],
+            self.error = {"type": known.type, "message": wire.excerpt(exc_or_msg), "traceback": [], "notes": [],
                           "kind": kind}
         super().__init__(self.error["message"])
 

@@ -1,6 +1,6 @@
 """A job as bytes and back: what the wire carries when a whole job travels.
 
-A :class:`~asyncinterp.job.Job` is a plain value; this module writes it as
+A :class:`~asyncinterp.job.Job` is a plain value; :mod:`.job_form` writes it as
 msgpack (through :mod:`.wire`, so tensors are ``(dtype, shape, bytes)`` and
 nothing is pickled) and reads it back. Interventions travel as source text,
 never bytecode, so client and server Python versions may differ: all of a
@@ -21,6 +21,10 @@ result carriers and the listener (where results go is decided on the side
 that runs the job) and an invoke's late-binding snapshot (a check made on
 the side that built it). A value that cannot travel is a ``TypeError``
 naming where it sits in the job.
+
+This module reads a job (the server's side, with :mod:`.rebuild`);
+writing it is :mod:`.job_form`'s (the client's side, which loads no server
+module), whose names are importable from here too.
 """
 
 from __future__ import annotations
@@ -28,65 +32,12 @@ from __future__ import annotations
 from ..invoke import Invoke
 from ..job import InvokeSpec, Job, frozen_mapping
 from . import wire
-from ..tools.cache import Cache
-from .cache_wire import build_cache, describe_cache
-from .capture import Capture
-from .client import intervention_spec
+from .cache_wire import build_cache
+# the writing side is the client's (it loads no server code); its names stay importable from here
+from .job_form import JOB_FORMAT, Named, dumps_job  # noqa: F401
 from .rebuild import DescriptionRefused, intervention, rebuild
 
 __all__ = ["JOB_FORMAT", "Named", "dumps_job", "loads_job"]
-
-#: the version of a job's wire form; a reader refuses any other
-JOB_FORMAT = 2
-
-
-class Named:
-    """An intervention registered on the server, by name (``remote.registered("top_k", k=5)``): it travels
-    as ``{"name", "params"}`` and the server binds its own function (trusted code, no capture)."""
-
-    def __init__(self, name: str, params: dict | None = None):
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"a registered intervention's name is a non-empty string, got {name!r}")
-        self.name = name
-        self.params = dict(params or {})
-        self.__qualname__ = self.__name__ = name
-
-    async def __call__(self, m):
-        raise RuntimeError(f"{self.name!r} is an intervention registered on a server: it runs only there "
-                           "(through ai.remote)")
-
-    def __repr__(self):
-        return f"<registered intervention {self.name!r} {self.params}>"
-
-
-def dumps_job(job: Job) -> bytes:
-    """The job as msgpack bytes (see the module docs for what travels)."""
-    invokes = []
-    capture = Capture()
-    for i, spec in enumerate(job.invokes):
-        fns = []
-        for fn in spec.fns:
-            if isinstance(fn, Named):
-                fns.append({"name": fn.name, "params": fn.params})
-                continue
-            if isinstance(fn, Cache):   # an activation cache: its options (see cache_wire)
-                fns.append({"cache": describe_cache(fn)})
-                continue
-            try:
-                fns.append({**_plain_form(fn), **capture.add_intervention(fn)})
-            except TypeError as exc:
-                raise TypeError(f"invoke {i} of the job: {exc}") from None
-        invokes.append({"input": spec.input, "fns": fns, "kwargs": dict(spec.kwargs),
-                        "options": dict(spec.options), "background": spec.background})
-    body = {"format": JOB_FORMAT, "kind": job.kind, "on_error": job.on_error,
-            "stop_per_invoke": job.stop_per_invoke, "generation": dict(job.generation),
-            "context": dict(job.context), "invokes": invokes,
-            "capture": capture.description()}
-    try:
-        return wire.packb(body)
-    except (TypeError, wire.WireError) as exc:
-        raise TypeError(f"this job cannot travel: {exc}. Inputs, options and context must be tensors, numbers, "
-                        "strings, bytes, None, or lists, tuples and dicts of these") from None
 
 
 def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
@@ -131,14 +82,6 @@ def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMI
                    frozen_mapping(_map(body, "context")), carriers)
     except ValueError as exc:
         raise wire.WireError(str(exc)) from None
-
-
-def _plain_form(fn) -> dict:
-    """The self-contained form of ``fn`` for an older ``compile(spec)`` (empty when it reads captured names)."""
-    try:
-        return intervention_spec(fn)
-    except TypeError:
-        return {}
 
 
 def _or_cache(compile):

@@ -27,6 +27,7 @@ version check stay, the batcher runs its traces.
 from __future__ import annotations
 
 import functools
+import math
 import types
 import time
 
@@ -35,13 +36,15 @@ import torch
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import aio
 from . import errors, wire
 from .cache_wire import recorded_of
 from .errors import RequestFailed
+from .params import short_repr
 from .job_wire import loads_job
 from .protocol import incompatible, versions
 from .requests import Meter
-from .rebuild import DescriptionRefused
+from .rebuild import DescriptionRefused, DescriptionTooLarge
 from .rebuild_sandbox import Sandboxed
 from .sandbox import SandboxRefused
 from .sandbox.gradients import check_no_grad_refusal
@@ -49,8 +52,8 @@ from .sandbox.gradients import check_no_grad_refusal
 __all__ = ["routes"]
 
 _FIELDS = frozenset({"protocol", "asyncinterp", "python", "job", "timeout", "stream"})
-_GENERATION_OPTIONS = {"stop": (str, list), "do_sample": (bool,), "temperature": (int, float),
-                       "top_k": (int,), "top_p": (int, float), "seed": (int,)}
+_GENERATION_OPTIONS = ("stop", "do_sample", "temperature", "top_k", "top_p", "seed")
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 _FORWARD_KWARGS = frozenset({"logits_to_keep"})   # forward keyword arguments a job may give (ints)
 MSGPACK = "application/msgpack"
 MSGPACK_STREAM = "application/x-msgpack-stream"
@@ -78,9 +81,11 @@ async def _jobs(server, request):
         if type(stream) is not bool:
             raise RequestFailed("request", "stream must be a bool")
         timeout = server.request_timeout(obj)
-        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
-            if server.allow_code else None
-        job = _load(server, data, sandbox, timeout)
+        # a supervised server only checks the job here (its worker rebuilds it, private copies included)
+        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
+                            copies=not server.supervised) if server.allow_code else None
+        # checked and rebuilt in a thread: the event loop (health checks, other requests) stays free meanwhile
+        job = await aio.to_thread(_load, server, data, sandbox, timeout)
         invokes, options = _checked(server, job)
         fields.update(kind=job.kind, invokes=len(invokes), intervention="job")
         if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
@@ -186,6 +191,8 @@ def _load(server, data, sandbox, timeout):
         raise
     except SandboxRefused as exc:
         raise RequestFailed("refused", str(exc)) from None
+    except DescriptionTooLarge as exc:
+        raise RequestFailed("too_large", str(exc)) from None
     except (DescriptionRefused, wire.WireError, TypeError, ValueError, KeyError) as exc:
         raise RequestFailed("request", f"this job cannot be read: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - anything else while defining the captured functions
@@ -215,7 +222,7 @@ def _checked(server, job):
         if set(kwargs) - _FORWARD_KWARGS or any(type(v) is not int or v < 0 for v in kwargs.values()):
             raise RequestFailed("request", f"invoke {i}: keyword arguments for the model's forward: only "
                                            f"{', '.join(sorted(_FORWARD_KWARGS))} (an int >= 0) remotely, got "
-                                           f"{sorted(map(str, kwargs))}")
+                                           f"{short_repr(sorted(map(str, kwargs)), 200)}")
         if job.kind == "generate" and kwargs:
             raise RequestFailed("request", f"invoke {i}: a generation takes no forward keyword arguments")
         if kwargs != dict(job.invokes[0].kwargs):
@@ -233,21 +240,49 @@ def _checked(server, job):
         invokes.append((x, spec.fns, kwargs))
     if all(x is None for x, _, _ in invokes):
         raise RequestFailed("request", "every invoke of this job has no input: give at least one an input")
+    rows = sum(_rows(x) for x, _, _ in invokes if x is not None)
+    if rows > max_batch:
+        raise RequestFailed("too_large", f"this job's inputs have {rows} rows; this server runs at most "
+                                         f"max_batch={max_batch} in one forward: split it into several jobs")
     options = {}
     if job.kind == "generate":
         gen = dict(job.generation)
         max_new = gen.pop("max_new_tokens", 20)
         server.check_new_tokens(longest, max_new)
         for key, value in gen.items():
-            types = _GENERATION_OPTIONS.get(key)
-            if types is None:
-                raise RequestFailed("request", f"generation option {key!r} is not accepted remotely; accepted: "
-                                               f"max_new_tokens, {', '.join(_GENERATION_OPTIONS)}")
-            if not isinstance(value, types) or (key == "stop" and isinstance(value, list)
-                                                and not all(isinstance(s, str) for s in value)):
-                raise RequestFailed("request", f"generation option {key}={value!r:.40} has the wrong type")
+            _check_generation_option(key, value, gen)
         options = dict(gen, max_new_tokens=max_new)
     return invokes, options
+
+
+def _check_generation_option(key, value, gen) -> None:
+    """A 400 naming the option for a value a generation cannot take (as vLLM's own checks refuse them)."""
+    def bad(why):
+        return RequestFailed("request", f"generation option {key}: {why}, got {short_repr(value)}", param=key)
+
+    number = type(value) in (int, float)
+    if key not in _GENERATION_OPTIONS:
+        raise RequestFailed("request", f"generation option {short_repr(key)} is not accepted remotely; accepted: "
+                                       f"max_new_tokens, {', '.join(_GENERATION_OPTIONS)}", param=str(key)[:60])
+    if key == "do_sample" and type(value) is not bool:
+        raise bad("must be true or false")
+    if key == "temperature":
+        if not number or not math.isfinite(value) or value < 0:
+            raise bad("must be a finite number >= 0")
+        if value == 0 and gen.get("do_sample") is True:
+            raise bad("must be > 0 to sample (for greedy decoding leave do_sample false)")
+    if key == "top_p" and (not number or not math.isfinite(value) or not 0 < value <= 1):
+        raise bad("must be a number in (0, 1]")
+    if key == "top_k" and (type(value) is not int or value < 0):
+        raise bad("must be an int >= 0 (0: off)")
+    if key == "seed" and (type(value) is not int or not -(2 ** 63) <= value < 2 ** 63):
+        raise bad("must be a 64-bit int")
+    if key == "stop":
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise bad(f"must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                      f"{MAX_STOP_CHARS} characters")
 
 
 def _input(server, value):
@@ -271,6 +306,9 @@ def _input(server, value):
     if isinstance(value, torch.Tensor):
         if value.dtype not in (torch.int64, torch.int32) or value.dim() not in (1, 2) or value.numel() == 0:
             raise RequestFailed("request", "input: a tensor of token ids is a non-empty 1-D or 2-D integer tensor")
+        if value.dim() == 2 and value.shape[0] > server.batcher.max_batch:
+            raise RequestFailed("too_large", f"input: {value.shape[0]} rows exceed max_batch="
+                                             f"{server.batcher.max_batch}: split them into several invokes or jobs")
         rows = value.view(-1, value.shape[-1]).tolist()
         for row in rows:
             server.check_input(row)
@@ -281,6 +319,19 @@ def _input(server, value):
         checked = [server.check_input(v) for v in value]
         return [x for x, _ in checked], max(n for _, n in checked)
     return server.check_input(value)
+
+
+def _rows(x) -> int:
+    """The rows a checked input adds to the forward: a prompt or a 1-D tensor of ids is one."""
+    if isinstance(x, dict):
+        x = x["input_ids"]
+    if isinstance(x, torch.Tensor):
+        return x.shape[0] if x.dim() > 1 else 1
+    if isinstance(x, tuple):      # a plain model's positional tensors: their batch dimension
+        return max((_rows(v) for v in x), default=1)
+    if isinstance(x, list) and x and not all(type(t) is int for t in x):
+        return len(x)              # a list of prompts (strings or id lists)
+    return 1
 
 
 def _outcome(kind, ok, value) -> dict:

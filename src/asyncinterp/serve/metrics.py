@@ -6,10 +6,15 @@ endpoint and status, sandbox refusals, budget cuts (requests stopped at
 their time limit or compute budget), the queue depth and worker restarts.
 Each :class:`ServerMetrics` has its own ``CollectorRegistry``, so several
 servers in one process (tests, notebooks) never share or collide on a
-counter. On a vLLM engine, vLLM's own families (``vllm:*``) are added from
-the registry vLLM records into, when it records any in this process (an
-``ai.VLLM`` built with ``disable_log_stats=False``; vLLM's offline engine
-keeps statistics off by default, and then there are none to show).
+counter. On a vLLM engine, vLLM's own families (``vllm:*``: the names of
+vLLM's ``PrometheusStatLogger``, so dashboards built for vLLM's server work
+unchanged) are added from the registry vLLM records into, while this
+server's engine records statistics: ``asyncinterp serve --engine vllm`` has
+them on, as ``vllm serve`` does, unless ``--disable-log-stats`` is given;
+an ``ai.VLLM`` built in Python follows ``vllm.LLM``'s default (off) unless
+given ``disable_log_stats=False``. vLLM keeps its families in the process's
+global registry after an engine closes; they are shown only while the
+engine this server holds records, never a previous engine's leftovers.
 """
 
 from __future__ import annotations
@@ -38,9 +43,15 @@ class _Live:
 
 
 class _VLLMFamilies:
-    """vLLM's own metric families (``vllm:*``) from the registry its stat loggers record into."""
+    """vLLM's own metric families (``vllm:*``) from the registry its stat loggers record into, while ``engine``
+    (vLLM's ``LLMEngine``) records statistics."""
+
+    def __init__(self, engine):
+        self.engine = engine
 
     def collect(self):
+        if not getattr(self.engine, "log_stats", False):
+            return
         try:
             from vllm.v1.metrics.prometheus import get_prometheus_registry
         except Exception:  # noqa: BLE001 - vLLM not importable: nothing of its to show
@@ -55,7 +66,8 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, batcher, vllm: bool = False):
+    def __init__(self, batcher, vllm=None):
+        """``vllm``: the vLLM ``LLMEngine`` this server serves from, whose statistics ``/metrics`` shows."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -64,8 +76,8 @@ class ServerMetrics:
         self.budget_cuts = Counter(PREFIX + "budget_cuts", "Requests stopped at their time limit or their "
                                    "submitted code's compute budget", registry=self.registry)
         self.registry.register(_Live(batcher))
-        if vllm:
-            self.registry.register(_VLLMFamilies())
+        if vllm is not None:
+            self.registry.register(_VLLMFamilies(vllm))
 
     def answered(self, endpoint: str, status: int, kind: str | None = None) -> None:
         """Count one answered request; ``kind``: its error's kind (:data:`.errors.KINDS`), if it failed."""

@@ -3,9 +3,9 @@
 Why this module exists: everything a pool does happens on its own threads
 and under its own lock: sending requests to the worker, reading its
 messages, watching its heartbeat and its batch's hard deadline, killing it,
-sorting the requests it held (blame, re-run alone, resend) and forking its
-successor. :class:`~.supervisor.Supervisor` owns one pool per trust class and
-only submits and cancels :class:`Ticket` s (one per request); the policy (what is killed when,
+sorting the requests it held (blame, re-run alone, resend) and starting its
+successor (from the fork server: no thread state inherited, :mod:`.worker_start`).
+:class:`~.supervisor.Supervisor` owns one pool per trust class and only submits and cancels :class:`Ticket` s (one per request); the policy (what is killed when,
 who is blamed) is described in :mod:`.supervisor`.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import multiprocessing
 import os
 import queue
 import signal
@@ -22,7 +21,7 @@ import threading
 import time
 
 from .. import aio
-from . import confine, errors, wire, worker_proc
+from . import confine, errors, wire, worker_proc, worker_start
 from . import worker_results
 from .batcher import BatcherClosed, BatcherFull, GenerateResult
 from .channel import Channel, Heartbeat
@@ -122,9 +121,9 @@ class Pool:
         self.thread = None
         self.closed = False
         self.wanted = False           # start a worker even with nothing to do (Supervisor.start)
-        self.stale = False            # registrations changed since the worker was forked: replace it when idle
-        self.forked_names = None
-        self.forked_edits = None      # the named edits installed when the worker was forked (model_names)
+        self.stale = False            # registrations changed since the worker started: replace it when idle
+        self.forked_names = None      # the interventions registered when the worker started (it has those)
+        self.forked_edits = None      # the named edits installed when the worker started (model_names)
         self.failed_starts = 0
         self.restarts = 0
         self.restart_began = None
@@ -248,6 +247,7 @@ class Pool:
         if t == "ready":
             w.ready = True
             w.confined = bool(msg.get("confined"))
+            w.threads_at_start = msg.get("threads")
             self.failed_starts = 0
             if self.restart_began is not None:
                 self.restart_times.append(time.monotonic() - self.restart_began)
@@ -375,12 +375,14 @@ class Pool:
                 self.failed_starts = 0
                 self.wanted = False
                 return
-            foreign = [p.worker.heartbeat.map for p in sup.pools.values() if p.worker is not None]
             self.forked_names = set(sup.server.interventions)
             self.forked_edits = set(sup.server.names.edits)
             self.stale = False
         try:
-            w = sup.in_server_loop(lambda: self._fork(foreign))
+            # the registrations as they are now, taken in the server's event loop (where they change); pickled
+            # here, on this pool's thread, so that the event loop is not held up by it
+            state = sup.in_server_loop(lambda: worker_start.snapshot(sup.server))
+            w = self._spawn(worker_start.pack_server(sup.server, state))
         except Exception as exc:  # noqa: BLE001 - counted as a failed start; the watch tries again
             log.error("cannot start the %s worker process: %s: %s", self.name, type(exc).__name__, exc)
             with self.cond:
@@ -402,33 +404,26 @@ class Pool:
             self._stop_process(w, 1.0)
         log.info("started the %s worker process (pid %s)", self.name, w.proc.pid)
 
-    def _fork(self, foreign) -> WorkerHandle:
-        """Fork a worker (in the server's event-loop thread, see :meth:`Supervisor.in_server_loop`).
+    def _spawn(self, packed) -> WorkerHandle:
+        """Start a worker that receives ``packed`` (the server, :func:`~.worker_start.pack_server`).
 
-        The model's run lock is held across the fork: a thread of this process
-        that is running the model would otherwise leave the child a copy of
-        the lock that nobody releases (the child releases its copy first).
+        The process comes from the fork server (:mod:`.worker_start`): it inherits no thread of this process
+        and no lock, so no lock needs holding; its weights are views of the shared block that goes with it.
         """
         sup = self.sup
-        lock = getattr(sup.server.model, "run_lock", None)
-        if lock is not None and not lock.acquire(timeout=5.0):
-            raise RuntimeError("the model is busy in this process (a trace running for over 5 s); a worker is "
-                               "forked only when no thread of the server process runs the model")
+        ctx = worker_start.context(sup.server.model)
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        heartbeat = Heartbeat()
+        settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
+                    "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
+                    "confine": confine.wanted_for(self), **worker_start.process_settings()}
+        proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, packed, settings),
+                           name=f"asyncinterp-worker-{self.name}", daemon=True)
+        born = time.monotonic()
         try:
-            ctx = multiprocessing.get_context("fork")
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            heartbeat = Heartbeat()
-            settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
-                        "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
-                        "release_run_lock": lock is not None, "confine": confine.wanted_for(self)}
-            proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, sup.server, settings, foreign),
-                               name=f"asyncinterp-worker-{self.name}", daemon=True)
-            born = time.monotonic()
             proc.start()
         finally:
-            if lock is not None:
-                lock.release()
-        child_end.close()
+            child_end.close()
         return WorkerHandle(proc, Channel(parent_end), heartbeat, born)
 
     def _kill(self, w: WorkerHandle, cause: Cause) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import linecache
 import platform
 
 import torch
@@ -39,14 +38,22 @@ from ..hooks.modules import submodules
 from ..kernel.futures import Future
 from .capture import FORMAT, MAX_VALUE_DEPTH, version
 from .sandbox.checker import check_source
-from .sandbox.policy import ALLOWED_MODULES
-from .wire import WireError
+from .policy import ALLOWED_MODULES
+from .source_lines import job_filename, job_token, remember
+from .wire import DescriptionRefused, WireError  # noqa: F401 - DescriptionRefused: a wire error (its home)
 
-__all__ = ["DescriptionRefused", "checked", "intervention", "rebuild", "resolve", "trusted"]
+__all__ = ["MAX_FUNCTIONS", "MAX_LINE", "MAX_SOURCE_TOTAL", "DescriptionRefused", "DescriptionTooLarge", "check_size",
+           "checked", "intervention", "rebuild", "resolve", "trusted"]
 
 
-class DescriptionRefused(WireError):
-    """A captured description is malformed, forged, or of a format this side does not read."""
+class DescriptionTooLarge(DescriptionRefused):
+    """A captured description is over a size or count limit (a server answers 413, naming the limit)."""
+
+
+#: the most functions, characters of source (all functions together) and the highest line a job's capture may have
+MAX_FUNCTIONS = 256
+MAX_SOURCE_TOTAL = 256 * 1024
+MAX_LINE = 100_000
 
 
 def trusted(source: str, filename: str, namespace: dict) -> None:
@@ -70,6 +77,8 @@ def rebuild(description, compile_source) -> list:
     futures = [Future(_name(n, allow_none=True)) for n in _list(body, "futures")]
     reader = _Reader(tensors, futures, getattr(compile_source, "envoy", None))
     entries = _list(body, "functions")
+    check_size(body)
+    token = job_token()     # the file names of this job's sources are the server's, never the client's
     spaces, built = [], []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
@@ -77,8 +86,8 @@ def rebuild(description, compile_source) -> list:
         name = _name(entry.get("name"))
         source = _function_source(entry.get("source"), name, body.get("python"))
         line = entry.get("line")
-        if type(line) is not int or not 1 <= line <= 1_000_000:
-            raise DescriptionRefused(f"function {name}: line {line!r} is not a line number")
+        if type(line) is not int or not 1 <= line <= MAX_LINE:
+            raise DescriptionRefused(f"function {name}: line {line!r} is not a line number (1 to {MAX_LINE})")
         namespace = {"__name__": "captured"}
         for var, value in _map(entry, "values").items():
             namespace[_name(var)] = reader.value(value, 0)
@@ -89,10 +98,10 @@ def rebuild(description, compile_source) -> list:
             if module not in ALLOWED_MODULES:
                 raise DescriptionRefused(f"function {name}: module {module!r} is not allowed")
             imports.append(f"import {module} as {_name(var)}")
-        filename = f"<captured {name} from {str(entry.get('file'))[:200]}>"
+        filename = job_filename("captured", name, str(entry.get("file")), token)
         text = _placed(source, "; ".join(imports), line)
-        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
         compile_source(text, filename, namespace)
+        remember(filename, text)
         fn = namespace.get(name)
         if not callable(fn):
             raise DescriptionRefused(f"function {name}: its source does not define {name}")
@@ -151,6 +160,18 @@ def intervention(built: list, spec, description) -> object:
 
 
 # ----------------------------------------------------------------------- checks of untrusted fields
+def check_size(description) -> None:
+    """Bounded work before anything is parsed or compiled: a capture's functions and their source, counted."""
+    entries = _list(description, "functions") if isinstance(description, dict) else []
+    if len(entries) > MAX_FUNCTIONS:
+        raise DescriptionTooLarge(f"this job captures {len(entries)} functions; a server rebuilds at most "
+                                  f"{MAX_FUNCTIONS} per job (the limit on captured functions)")
+    chars = sum(len(e.get("source")) for e in entries if isinstance(e, dict) and isinstance(e.get("source"), str))
+    if chars > MAX_SOURCE_TOTAL:
+        raise DescriptionTooLarge(f"this job captures {chars} characters of source; a server rebuilds at most "
+                                  f"{MAX_SOURCE_TOTAL} per job (the limit on captured source)")
+
+
 def _check_header(body) -> dict:
     if not isinstance(body, dict):
         raise DescriptionRefused(f"a captured description is a map, got {type(body).__name__}")

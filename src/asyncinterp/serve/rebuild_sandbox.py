@@ -20,7 +20,6 @@ as ``compile_source`` and wrap each entry point with :meth:`Sandboxed.entry`
 from __future__ import annotations
 
 import functools
-import linecache
 
 import torch
 
@@ -34,6 +33,7 @@ from .sandbox.gradients import needs_grad
 from .sandbox.instrumentation import MEMBER, PLAIN, SETPOINT, TICK, instrument
 from .sandbox.namespace import read_unlisted, safe_builtins, text_safe
 from .sandbox.values import release, sanitize
+from .source_lines import remember
 
 __all__ = ["Sandboxed"]
 
@@ -41,10 +41,12 @@ __all__ = ["Sandboxed"]
 class Sandboxed:
     """Compile captured source as the sandbox compiles submitted code (``deadline``, ``budget``: see ``Clock``)."""
 
-    def __init__(self, deadline: float | None = None, budget: float | None = None, model=None):
+    def __init__(self, deadline: float | None = None, budget: float | None = None, model=None, copies: bool = True):
         self.clock = Clock(deadline, budget)
         self.model = model
+        self.copying = copies   # False: a check only (the code runs elsewhere, which makes the private copies)
         self.entries = []       # entry points made so far: all run with autograd on once any source names a gradient
+        self.copies = {}        # id -> (captured tensor, its private copy): one copy per tensor, however referenced
 
     def envoy(self, path: str):
         """A captured reference to the model's module at ``path``, as submitted code sees modules."""
@@ -60,19 +62,21 @@ class Sandboxed:
             for submitted in self.entries:
                 submitted.needs_grad = True
         filename = f"{SUBMITTED_PREFIX}{filename.strip('<>')}>"   # how the sandbox's tracebacks know its frames
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        remember(filename, source)
         code = compile(instrument(tree), filename, "exec")
-        for name, value in list(namespace.items()):
-            if not isinstance(value, (Future, SafeEnvoy)) and name != "__name__":
-                namespace[name] = _private(value)
+        if self.copying:
+            for name, value in list(namespace.items()):
+                if not isinstance(value, (Future, SafeEnvoy)) and name != "__name__":
+                    namespace[name] = _private(value, self.copies)
         namespace.update({"__builtins__": safe_builtins(), TICK: self.clock.tick, SETPOINT: setpoint,
                           PLAIN: text_safe, MEMBER: read_unlisted})
         exec(code, namespace)  # noqa: S102 - checked and instrumented above, restricted builtins
 
-    @staticmethod
-    def private(value):
-        """A captured value as submitted code gets it (a private copy; futures as they are)."""
-        return value if isinstance(value, (Future, SafeEnvoy)) else _private(value)
+    def private(self, value):
+        """A captured value as submitted code gets it (a private copy, one per tensor; futures as they are)."""
+        if not self.copying or isinstance(value, (Future, SafeEnvoy)):
+            return value
+        return _private(value, self.copies)
 
     def entry(self, fn):
         """An entry point as the engine calls it: the model seen through ``SafeEnvoy``, results released."""
@@ -91,9 +95,9 @@ class Sandboxed:
         return submitted
 
 
-def _private(value):
+def _private(value, memo=None):
     if isinstance(value, (torch.Tensor, list, tuple, dict)):
-        return sanitize(value)
+        return sanitize(value, memo=memo)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return None

@@ -42,8 +42,8 @@ from ..kernel import errors as kernel_errors
 from ..kernel.errors import RunCancelled
 from . import wire
 from .cache_wire import fill_cache
-from .client import _decode_response
-from .job_wire import Named, dumps_job
+from .client import _decode_response, session_body
+from .job_form import Named, dumps_job
 from .protocol import VersionMismatch, incompatible, versions
 from .remote_check import ModuleTree, check_names
 from .wire import RemoteError
@@ -261,7 +261,6 @@ class RemoteModel:
 
     def _session_body(self, fn, timeout, keywords) -> bytes:
         import functools
-        from .sessions import session_body
         if not callable(fn):
             raise TypeError(f"a session is an `async def` taking the model, got {type(fn).__name__}")
         return session_body(functools.partial(fn, **keywords) if keywords else fn, timeout)

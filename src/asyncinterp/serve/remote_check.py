@@ -25,8 +25,9 @@ import textwrap
 
 from ..hooks.aliases import STANDARD
 from ..hooks.envoy import SEMANTIC_NAMES, Envoy, point
+from ..hooks.tl_names import NAMES as TL_NAMES
 from ..kernel.errors import ModulePathError
-from .sandbox import policy
+from . import policy
 
 __all__ = ["ModuleTree", "check_names"]
 
@@ -52,7 +53,7 @@ class ModuleTree:
             parent, _, name = str(path).rpartition(".")
             self.children.setdefault(parent, []).append(name)
             self.children.setdefault(str(path), [])
-        self.known = _point_names() | SEMANTIC_NAMES | set(STANDARD) | policy.ENVOY_ATTRIBUTES
+        self.known = _point_names() | SEMANTIC_NAMES | TL_NAMES | set(STANDARD) | policy.ENVOY_ATTRIBUTES
         self.root_known = policy.ROOT_ATTRIBUTES | {"backward"}
 
     def walk(self, steps, fn_name, line):

@@ -40,12 +40,12 @@ import functools
 import time
 import types
 
+from .. import aio
 from . import wire
-from .capture import Capture
 from .errors import RequestFailed
 from .params import short_repr
-from .rebuild import DescriptionRefused, intervention, rebuild
-from .rebuild_sandbox import Sandboxed, _private
+from .rebuild import DescriptionRefused, DescriptionTooLarge, check_size, intervention, rebuild
+from .rebuild_sandbox import Sandboxed
 from .sandbox import SandboxRefused
 from .sandbox.driver import Driven
 from .sandbox.envoys import SafeEnvoy
@@ -55,18 +55,8 @@ from .sandbox.values import Record, release, sanitize
 
 __all__ = ["SessionModel", "load_session", "session_body", "session_endpoint"]
 
-
-def session_body(fn, timeout: float | None = None) -> bytes:
-    """The request body that runs ``fn`` (an ``async def`` taking the model) as a session on a server."""
-    capture = Capture()
-    try:
-        spec = capture.add_intervention(fn)
-    except TypeError as exc:
-        raise TypeError(f"this session cannot travel: {exc}") from None
-    body = {"capture": capture.description(), "session": spec}
-    if timeout is not None:
-        body["timeout"] = timeout
-    return wire.packb(body)
+# writing a session's body is the client's (it loads no server code); the name stays importable from here
+from .client import session_body  # noqa: E402,F401
 
 
 class SessionModel:
@@ -177,16 +167,21 @@ def _uses_gradients(description) -> bool:
     return False
 
 
-def load_session(server, body: dict, batcher, timeout: float):
+def load_session(server, body: dict, batcher, timeout: float, check_only: bool = False):
     """A session request's function, checked and compiled as submitted code: ``run()`` runs it (a coroutine
-    function returning its released result). Refusals (400) come before any model work."""
+    function returning its released result). Refusals (400) come before any model work. ``check_only``: the
+    session runs elsewhere (a worker process loads it again), so no private copies of its values are made."""
     description, spec = body.get("capture"), body.get("session")
     if not isinstance(description, dict) or not isinstance(spec, dict):
         raise RequestFailed("request", "a session needs 'capture' (the captured functions) and 'session' "
                                        "({'function', 'keywords'}) maps; use Client.session(fn)")
     deadline = time.monotonic() + timeout
-    compile_source = Sandboxed(deadline, min(server.code_budget, timeout))
+    compile_source = Sandboxed(deadline, min(server.code_budget, timeout), copies=not check_only)
     clock = compile_source.clock
+    try:
+        check_size(description)
+    except DescriptionTooLarge as exc:
+        raise RequestFailed("too_large", str(exc)) from None
     grad = _uses_gradients(description)
     clock.grad = grad
     try:
@@ -199,7 +194,7 @@ def load_session(server, body: dict, batcher, timeout: float):
     except Exception as exc:  # noqa: BLE001 - anything else while loading the captured functions
         raise RequestFailed("refused", f"the session failed to load: {type(exc).__name__}: {exc}") from None
     if isinstance(fn, functools.partial):      # captured keywords: private copies, as every captured value
-        fn = functools.partial(fn.func, **{k: _private(v) for k, v in fn.keywords.items()})
+        fn = functools.partial(fn.func, **{k: compile_source.private(v) for k, v in fn.keywords.items()})
     model = SessionModel(server, batcher, clock, deadline, grad)
 
     async def run():
@@ -223,7 +218,8 @@ async def session_endpoint(server, request):
         timeout = server.request_timeout(obj)
         name = (obj.get("session") or {}).get("function") if isinstance(obj.get("session"), dict) else None
         fields["intervention"] = f"session:{short_repr(name)}"
-        run = load_session(server, obj, server.batcher, timeout)    # refusals here, before any model work
+        # refusals here, before any model work; checked in a thread, so that the event loop stays free meanwhile
+        run = await aio.to_thread(load_session, server, obj, server.batcher, timeout, server.supervised)
         if server.supervised:     # it runs in the worker that runs submitted code (loaded there again)
             run = functools.partial(server.batcher.session, obj, timeout)
         return await server.respond(request, fields, run, lambda value: {"ok": True, "result": value})

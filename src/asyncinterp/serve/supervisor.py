@@ -26,7 +26,7 @@ worker every :data:`TICK` seconds and kills it (``SIGKILL``) when
 and notices when it died: a signal (``crashed``), exit status
 :data:`~.worker_proc.OOM_EXIT` (a request ran out of the worker's memory
 limit, ``out_of_memory``), anything else (``exited``), a malformed message
-(``broken``). Then it forks a new worker and sorts the requests the dead
+(``broken``). Then it starts a new worker and sorts the requests the dead
 one held: those of the batch that was running are *suspects* and are re-run
 one at a time, each alone; a request that kills a worker while it runs alone
 is the offender and fails with an error saying what happened (504 ``hung`` /
@@ -36,6 +36,10 @@ While suspects are re-run, the pool's other requests wait (in this
 process: the queue and ``/v1/health`` keep answering).
 
 Nothing the worker sends is unpickled: messages are msgpack (:mod:`.channel`).
+Workers are never forked from the server process (whose other threads, Ray's
+gRPC for one, would leave a fork their locks): they come from a fork server
+and receive the model's shared weights and the registrations
+(:mod:`.worker_start`).
 
 This module holds the settings and the batcher-shaped :class:`Supervisor`;
 a pool and its watch are in :mod:`.pool`, the causes of a worker's death and
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 
 from .. import aio
 from .batcher import BatcherClosed, EventStream, GenerateResult
+from . import worker_start
 from .engine_front import front_for
 # the pool and the failures are their own modules; their names stay importable from here
 from .pool import TICK, Pool, Ticket, WorkerHandle, reap  # noqa: F401
@@ -75,7 +80,7 @@ class ProcessIsolation:
     ``hang_timeout``: seconds without a heartbeat before a worker is killed
     (a legitimate worker beats every 10 ms; nothing legitimate holds the GIL
     that long). ``start_timeout``: seconds a new worker may take to be ready.
-    ``memory_limit``: bytes a worker may grow beyond its size when forked
+    ``memory_limit``: bytes a worker may grow beyond its size when started
     (``RLIMIT_DATA``; ``None``: no limit). ``code_worker``: submitted code
     runs in a worker of its own (else in the one worker). ``code_nice``: the
     CPU niceness added to that worker, so that the server and registered
@@ -103,7 +108,8 @@ class ProcessIsolation:
 
 
 def check_forkable(model) -> None:
-    """Raise ``ValueError`` if ``model`` cannot be served from a forked worker process."""
+    """Raise ``ValueError`` if ``model`` cannot be served from a worker process (one that maps the server's
+    weights from shared memory, :mod:`.worker_start`)."""
     if not hasattr(os, "fork"):
         raise ValueError("process isolation needs os.fork (Linux, macOS); use isolation='thread'")
     refusal = front_for(model).fork_refusal()
@@ -113,9 +119,8 @@ def check_forkable(model) -> None:
     params = module.parameters() if hasattr(module, "parameters") else ()
     for p in itertools.islice(params, 1000):
         if p.device.type != "cpu":
-            raise ValueError(f"process isolation forks the server after the model is loaded, and a forked child "
-                             f"cannot use {p.device.type} (the model has parameters there); use "
-                             "isolation='thread'")
+            raise ValueError(f"process isolation shares the model's CPU memory with its worker processes, and "
+                             f"the model has parameters on {p.device.type}; use isolation='thread'")
 
 
 # --------------------------------------------------------------------------- what runs in the worker
@@ -137,8 +142,8 @@ class WorkerSpec:
 
 class WorkerEdit:
     """A named edit (:mod:`.model_names`) as it travels to a worker: by its name. The worker runs its own copy
-    of the edit (forked with the server's installed edits; a worker forked before an edit was installed is
-    replaced when idle, as for interventions registered after the fork)."""
+    of the edit (sent with the server's installed edits when it starts; a worker started before an edit was
+    installed is replaced when idle, as for interventions registered after its start)."""
 
     __slots__ = ("name",)
 
@@ -154,7 +159,7 @@ class Supervisor(aio.Closable):
     """Stands where the server's :class:`~.batcher.Batcher` would; the model runs in worker processes.
 
     ``server``: the :class:`~.app.Server` (its model, registered interventions
-    and limits; the workers are forked from this process and bind
+    and limits; the workers receive them when they start and bind
     interventions with ``server.bind_intervention``). ``isolation``:
     ``"process"`` or a :class:`ProcessIsolation`. The batching options are the
     workers' :class:`Batcher`'s.
@@ -164,6 +169,7 @@ class Supervisor(aio.Closable):
                  max_queue: int = 256, exact: bool = False, name: str = "serve"):
         self.options = isolation if isinstance(isolation, ProcessIsolation) else ProcessIsolation()
         check_forkable(server.model)
+        worker_start.share_model(server.model)   # the weights in shared memory once: workers map them, never copy
         self.server = server
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -175,7 +181,7 @@ class Supervisor(aio.Closable):
         self.pools = {"trusted": Pool(self, "trusted", 0)}
         if self.options.code_worker:
             self.pools["code"] = Pool(self, "code", self.options.code_nice)
-        self.loop = None            # the server's event loop (workers are forked there, see in_server_loop)
+        self.loop = None            # the server's event loop (what workers are sent is read there, in_server_loop)
         self.closed = False
 
     @property
@@ -194,11 +200,10 @@ class Supervisor(aio.Closable):
     def in_server_loop(self, fn, timeout: float = 10.0):
         """``fn()`` run in the server's event-loop thread, between its callbacks; returns its result.
 
-        Workers are forked there: request handling (tokenizing, checking and
-        compiling submitted code) runs in that thread, so at that moment it
-        holds none of the locks a worker will need (a fork copies locks as
-        they are, held ones included). Before the first request (no loop
-        yet), ``fn()`` runs in the calling thread.
+        What a starting worker is sent is read there (:func:`~.worker_start.snapshot`):
+        registering interventions and installing edits happen in that thread,
+        so the snapshot is whole. Before the first request (no loop yet),
+        ``fn()`` runs in the calling thread.
         """
         loop = self.loop
         if loop is None:
@@ -224,7 +229,7 @@ class Supervisor(aio.Closable):
             with lock:
                 if box["state"] == "queued":
                     box["state"] = "abandoned"
-                    raise RuntimeError(f"the server's event loop did not run the fork within {timeout:g} s")
+                    raise RuntimeError(f"the server's event loop did not start the worker within {timeout:g} s")
             done.wait()
         if "exc" in box:
             raise box["exc"]
@@ -238,7 +243,7 @@ class Supervisor(aio.Closable):
             pool = self.pools["trusted"]
             with pool.cond:
                 if pool.forked_names is not None and ws.spec.get("name") not in pool.forked_names:
-                    pool.stale = True       # registered after the fork: replace the worker when it is idle
+                    pool.stale = True       # registered after its start: replace the worker when it is idle
         return ws
 
     def remote_edits(self, edits) -> tuple:
@@ -349,7 +354,7 @@ class Supervisor(aio.Closable):
         pool.submit(job)
         return job
 
-    async def _wait(self, job: Job):
+    async def _wait(self, job: Ticket):
         try:
             while True:
                 kind, ok, value = await _next(job)
@@ -371,7 +376,7 @@ async def _next(job: Ticket):
 class SupervisedStream(EventStream):
     """Async iterator over a streaming generation's events, as :class:`~.batcher.GenerationStream`."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Ticket):
         self.job = job
 
     def _next(self):

@@ -58,6 +58,10 @@ class WireError(ValueError):
     """A value cannot be encoded, or bytes are not a valid message."""
 
 
+class DescriptionRefused(WireError):
+    """A captured description is malformed, forged, or of a format this side does not read."""
+
+
 @dataclass
 class Limits:
     """Bounds applied while decoding untrusted bytes."""
@@ -304,6 +308,30 @@ def scrub_addresses(text: str) -> str:
     return _ADDRESS.sub("0x…", text)
 
 
+#: the most characters of an error's message, of one traceback line or note, and the most lines and notes that
+#: an error map carries: what a client sent is echoed as a short excerpt at most
+MAX_ERROR_CHARS = 2000
+MAX_ERROR_LINE = 500
+MAX_ERROR_LINES = 100
+
+
+def excerpt(text: str, n: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``n`` characters, saying how long it was."""
+    text = str(text)
+    return text if len(text) <= n else f"{text[:n]}… ({len(text)} characters in all)"
+
+
+def bounded_error(error: dict) -> dict:
+    """An error map with its message, traceback lines and notes cut to the limits above."""
+    out = dict(error)
+    out["message"] = excerpt(out.get("message", ""))
+    for key in ("traceback", "notes"):
+        lines = out.get(key)
+        if isinstance(lines, list):
+            out[key] = [excerpt(line, MAX_ERROR_LINE) for line in lines[-MAX_ERROR_LINES:]]
+    return out
+
+
 def encode_error(exc: BaseException, kind: str | None = None) -> dict:
     """A wire map for an exception: its type, message, notes and own traceback lines.
 
@@ -319,12 +347,12 @@ def encode_error(exc: BaseException, kind: str | None = None) -> dict:
     message = str(exc)
     if isinstance(exc, BaseExceptionGroup):
         message = f"{message}: " + "; ".join(f"{type(e).__name__}: {e}" for e in exc.exceptions)
-    out = {
+    out = bounded_error({
         "type": type(exc).__name__,
         "message": scrub_addresses(message),
         "traceback": [scrub_addresses(line) for line in own_traceback(exc)],
         "notes": [scrub_addresses(str(n)) for n in getattr(exc, "__notes__", ()) or ()],
-    }
+    })
     if kind is not None:
         out["kind"] = kind
     return out

@@ -4,14 +4,18 @@ Why a process: a C-level loop that never releases the GIL (``any(iter(int, 1))``
 in submitted code), a crash (a segfault, ``abort``, heap corruption) or runaway
 memory cannot be stopped or survived inside the process that runs it. Run in
 a child, they can: the server (:mod:`.supervisor`) watches the child, kills
-it, forks a new one and re-runs the innocent requests, while its own event
+it, starts a new one and re-runs the innocent requests, while its own event
 loop keeps answering.
 
-The child is forked from the server after the model is loaded (the weights
-are shared copy-on-write), so it starts in a fraction of a second. Before it
-serves, it: dies with the server (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the
-server shuts it down), replaces the sockets it inherited (the server's
-listening socket, other workers' pipes) with ``/dev/null``, lowers its CPU
+The child is started from multiprocessing's fork server, never forked from
+the server itself, so it inherits no thread state (:mod:`.worker_start`):
+it receives the server as a value (the model, whose weights it maps from
+the server's shared memory, the registered interventions and named edits,
+the limits) and torch's settings, so it starts in a fraction of a second.
+Before it serves, it: dies with the server (``PR_SET_PDEATHSIG`` on its
+parent, the fork server, which ends with the server; and it checks that the
+server lives), ignores Ctrl-C (the server shuts it down), replaces the
+sockets it inherited (the fork server's) with ``/dev/null``, lowers its CPU
 priority if asked (the submitted-code worker), caps its memory with an
 rlimit (``RLIMIT_DATA``: its size at start plus ``memory_limit`` bytes) and,
 if it runs submitted code, confines itself with seccomp (:mod:`.confine`).
@@ -22,7 +26,8 @@ Protocol (msgpack maps, see :mod:`.channel`). Server to worker:
 of installed edits, :mod:`.model_names`, run before the spec's intervention) (``session``:
 see :mod:`.sessions`) (``alone``: a re-run that the server sends by itself; the batcher does
 not wait for company), ``{"op": "cancel", "id"}``,
-``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid", "confined"}``;
+``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid", "confined", "threads"}`` (``threads``: the
+process's threads when it started, before its own: 1);
 ``{"t": "batch", "ids"}`` from the batcher's thread just before a batch
 starts (before any of its code runs) and ``{"t": "batch_end"}`` when it has
 ended; ``{"t": "event", "id", "event"}``
@@ -44,7 +49,7 @@ import sys
 import threading
 
 from .. import aio
-from . import confine, errors, wire, worker_results
+from . import confine, errors, wire, worker_results, worker_start
 from .batcher import Batcher, Meter
 from .channel import Channel
 from .sandbox import SandboxTimeout
@@ -58,10 +63,10 @@ BEAT_INTERVAL = 0.01   # seconds between heartbeats
 _ERRORS = (Exception, SandboxTimeout, SystemExit, KeyboardInterrupt)
 
 
-def run(conn, heartbeat, server, settings: dict, foreign_maps=()) -> None:
-    """Entry point of a forked worker (a ``multiprocessing`` target): prepare, serve, exit."""
-    if settings.get("release_run_lock"):      # the server held it across the fork (see Pool._fork)
-        server.model.run_lock.release()
+def run(conn, heartbeat, server, settings: dict) -> None:
+    """Entry point of a worker (a ``multiprocessing`` target; ``server`` arrives unpickled, see
+    :mod:`.worker_start`): prepare, serve, exit."""
+    settings = dict(settings, threads_at_start=_thread_count())   # 1: nothing inherited runs (said in "ready")
     box = {"code": FAILED_EXIT}
 
     def serve():
@@ -74,13 +79,12 @@ def run(conn, heartbeat, server, settings: dict, foreign_maps=()) -> None:
             log.exception("the worker process failed")
 
     try:
-        prepare(settings, conn.fileno(), foreign_maps)
+        prepare(settings, conn.fileno())
         if settings.get("confine"):   # last: after the seals and limits, with torch loaded and the pipe open
             confine.install()         # fails closed: a worker that should be confined and is not never serves
         threading.Thread(target=heartbeat.beat_forever, args=(BEAT_INTERVAL,), daemon=True,
                          name="asyncinterp-heartbeat").start()
-        # a fresh thread for the event loop: this one is a copy of the server's thread that forked us (maybe
-        # inside the server's own event loop, whose state a new loop in this thread would trip over)
+        # the event loop in a thread of its own, as the batcher's callers run in the server
         t = threading.Thread(target=serve, name="asyncinterp-worker")
         t.start()
         t.join()
@@ -98,16 +102,15 @@ def run(conn, heartbeat, server, settings: dict, foreign_maps=()) -> None:
 
 
 # --------------------------------------------------------------------------- process setup
-def prepare(settings: dict, keep_fd: int, foreign_maps=()) -> None:
-    """Make this freshly forked process a worker: tie it to the server, seal what it inherited, set limits."""
+def prepare(settings: dict, keep_fd: int) -> None:
+    """Make this fresh process a worker: tie it to the server, seal what it inherited, set torch and limits."""
     _die_with_parent(settings["server_pid"])
+    worker_start.apply_settings(settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C goes to the server, which shuts workers down
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     faulthandler.disable()   # a fatal signal kills at once (no inherited traceback dump delaying the crash report)
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: every thread's stack on stderr
     _seal_sockets(keep_fd)
-    for m in foreign_maps:                          # other workers' heartbeats
-        m.close()
     if settings.get("nice"):
         os.nice(settings["nice"])
     if settings.get("memory_limit"):
@@ -121,7 +124,14 @@ def _die_with_parent(server_pid: int) -> None:
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != server_pid:                    # the server died before the line above
+    # our parent is the fork server, which ends when the server does; the server may have died already
+    try:
+        os.kill(server_pid, 0)
+    except ProcessLookupError:
+        os._exit(0)
+    except OSError:
+        pass
+    if os.getppid() == 1:
         os._exit(0)
 
 
@@ -147,6 +157,14 @@ def _seal_sockets(keep_fd: int) -> None:
                 pass
     finally:
         os.close(null)
+
+
+def _thread_count() -> int | None:
+    """The threads of this process, as the kernel counts them (``/proc/self/task``; Linux)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def vm_data() -> int | None:
@@ -207,17 +225,20 @@ class Worker:
     def __init__(self, channel: Channel, server, settings: dict):
         self.channel = channel
         self.server = server
+        self.settings = settings
         self.tags = {}      # Meter -> request id: the batcher's requests carry the meter given to them
         self.scopes = {}    # request id -> its cancel scope
         self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,
                                          lambda r: self._out_of_memory(self.tags.get(r.meter)), **settings["batcher"])
+        server.batcher = self.batcher   # what the server's code reads of its batcher here (max_batch, ...)
         self.max_wait = self.batcher.max_wait
 
     def serve(self) -> None:
         aio.run_with_tasks(self._main)
 
     async def _main(self, start):
-        self.channel.send({"t": "ready", "pid": os.getpid(), "confined": confine.status_of().get("seccomp") == 2})
+        self.channel.send({"t": "ready", "pid": os.getpid(), "confined": confine.status_of().get("seccomp") == 2,
+                           "threads": self.settings.get("threads_at_start")})
         while True:
             try:
                 msg = await aio.to_thread(self.channel.recv, True)
@@ -279,10 +300,10 @@ class Worker:
         self._reply(reply)
 
     def _edits(self, names) -> tuple:
-        """The functions of the named edits ``names`` (:mod:`.model_names`), as installed when this worker forked."""
+        """The functions of the named edits ``names`` (:mod:`.model_names`), as installed when this worker started."""
         installed = self.server.names.edits
         missing = [n for n in names if n not in installed]
-        if missing:   # the supervisor replaces a worker forked before an edit was installed: unexpected
+        if missing:   # the supervisor replaces a worker started before an edit was installed: unexpected
             raise LookupError(f"this worker process has no edit named {', '.join(map(repr, missing))}")
         return tuple(installed[n].fn for n in names)
 

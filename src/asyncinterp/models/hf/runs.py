@@ -16,7 +16,7 @@ its prompt alone would produce. A generation also
   log-probabilities as vLLM reports them, see :mod:`.logprobs`), ``ignore_eos``
   (vLLM's: the end-of-sequence token does not end a row), ``stop`` (strings: a row ends
   at the step whose token completes one of them, as in vLLM), ``seed``
-  (sampling draws from a generator seeded for this run only) and
+  (each invoke samples from its own generator, seeded with it, see :mod:`.sampling`) and
   ``presence_penalty``/``frequency_penalty`` (vLLM's rule over the generated
   tokens, see :mod:`.penalties`).
 """
@@ -30,12 +30,14 @@ import torch
 from ...kernel.errors import NotInRunError
 from ...engine import describe_invoke
 from ...hooks.batching import forward_kwargs
+from ...hooks.keywords import check_forward_kwargs
 from ...run import Run
 from ..generating import Generated, GeneratedInvoke, check_stop, eos_ids, stop_hit
 from .inputs import build_batch, check_length, pad_id_of
 from .logprobs import LogprobRecorder, check_count
 from .padding import PaddedLayout
 from .penalties import OutputPenalties
+from .sampling import SEEDS, InvokeSampler, sampling_warpers
 from .taps import logits_processor, rank_of, stopping_criteria
 
 
@@ -111,8 +113,11 @@ class LMRun(Run):
         call = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         if lm.takes_position_ids:
             call["position_ids"] = batch.position_ids
-        call.update(forward_kwargs(self.invokes))
         module = lm.module
+        extra = forward_kwargs(self.invokes)
+        if extra:
+            check_forward_kwargs(module, extra)     # unknown keywords are refused, never dropped (issue 33)
+            call.update(extra)
         return lambda: module(**call)
 
 
@@ -272,6 +277,12 @@ class GenerateRun(LMRun):
         if presence or frequency:
             processors.append(OutputPenalties(batch.input_ids.shape[1], presence, frequency))
         processors.append(logits_processor(taps["logits"].envoy.module))
+        if kw["do_sample"]:
+            # each invoke samples from its own generator (see .sampling); transformers then takes the drawn token
+            processors.extend(sampling_warpers(module, kw))
+            seeds = self._context.get(SEEDS) if self._context else None
+            processors.append(InvokeSampler.for_batch(batch.spans, batch.input_ids.shape[0], seeds, seed))
+            kw["do_sample"] = False
         criteria = StoppingCriteriaList(list(kw.pop("stopping_criteria", None) or []))
         criteria.append(stopping_criteria(taps["tokens"].envoy.module, self._record))
         if self._stops:

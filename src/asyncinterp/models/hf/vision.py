@@ -364,8 +364,12 @@ class VisionRun(_VisionHost, LMRun):
         elif lm.takes_position_ids:
             call["position_ids"] = batch.position_ids
         from ...hooks.batching import forward_kwargs
-        call.update(forward_kwargs(self.invokes))
+        from ...hooks.keywords import check_forward_kwargs
         module = lm.module
+        extra = forward_kwargs(self.invokes)
+        if extra:
+            check_forward_kwargs(module, extra)     # unknown keywords are refused, never dropped (issue 33)
+            call.update(extra)
         return lambda: module(**call)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ..batcher import Meter
-from . import policy
+from .. import policy
 from .errors import SandboxTimeout
 
 

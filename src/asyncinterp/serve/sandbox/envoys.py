@@ -18,7 +18,7 @@ import torch
 from ...hooks.envoy import Envoy, point as point_descriptor
 from ...hooks.modules import submodules
 from ...hooks.points import Point
-from . import policy
+from .. import policy
 from .driver import Driven, Pending, current_state
 from .gradients import SafeGradPoint, backward_of
 from .tensors import plain
@@ -175,6 +175,20 @@ def _envoy_attribute(envoy, name):
         def skip(value):
             return envoy.skip(to_model(value))
         return skip
+    if name == "at":
+        def at(path):
+            """``m.at("blocks.3.hook_resid_post")``: each part read as submitted code reads attributes."""
+            if not isinstance(path, str) or not path:
+                raise TypeError(f"a point path is a non-empty dotted string, got {path!r}")
+            here = SafeEnvoy(envoy, envoy.parent is None)
+            for part in path.split("."):
+                if not isinstance(here, SafeEnvoy):
+                    raise AttributeError(f"{path!r}: {part!r} follows a hook point")
+                here = getattr(here, part)
+            if isinstance(here, SafeEnvoy) and part.startswith("hook_"):
+                here = here.output        # a hook name names a value (a real HookPoint module: its output)
+            return here
+        return at
     if name == "generated":
         g = envoy.generated
         return Record(tokens=sanitize(g.tokens), text=g.text)

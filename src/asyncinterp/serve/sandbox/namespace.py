@@ -1,7 +1,7 @@
 """What submitted code's globals hold: restricted builtins, the proxy modules its imports get, and hooks.
 
 The import hook hands out :class:`ModuleProxy` objects holding only the
-names :mod:`.policy` lists for each allowed module (torch functions wrapped
+names :mod:`asyncinterp.serve.policy` lists for each allowed module (torch functions wrapped
 so that their results are private tensors and factories are measured before
 they allocate); the builtins are the policy's list, with ``range``, ``print``,
 ``repr`` and ``ascii`` replaced by restricted versions. The instrumented
@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import policy
+from .. import policy
 from .envoys import SafeEnvoy, SafePoint, gather, spawn
 from .errors import refuse
 from .tensors import DisableTorchFunction, PrivateTensor, adopt, check_size, nbytes, precheck, tensors_in
@@ -62,7 +62,7 @@ def read_unlisted(obj, name):
     """
     if type(obj) is SafeEnvoy or type(obj) is SafePoint:
         return getattr(obj, name)
-    why = "it is not on the sandbox's allow-list (asyncinterp/serve/sandbox/policy.py)"
+    why = "it is not on the sandbox's allow-list (asyncinterp/serve/policy.py)"
     if type(obj) is ModuleProxy:
         raise refuse(f"{object.__getattribute__(obj, '_name')}.{name}", why)
     raise refuse(f"attribute {name!r} of a {type(obj).__name__}",

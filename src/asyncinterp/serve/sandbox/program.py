@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import policy
+from .. import policy
 from .checker import check_source
 from .clock import Clock
 from .driver import Driven

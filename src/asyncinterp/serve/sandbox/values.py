@@ -16,7 +16,7 @@ import torch
 
 from ...kernel.errors import ReplacementError  # a ValueError, as a local run raises
 
-from . import policy
+from .. import policy
 from .tensors import DisableTorchFunction, plain, private_copy, version_of
 
 
@@ -30,14 +30,22 @@ class Record(dict):
             raise AttributeError(name) from None
 
 
-def sanitize(value, depth=0, leaves=None, path=(), graph=False):
+def sanitize(value, depth=0, leaves=None, path=(), graph=False, memo=None):
     """What submitted code receives: private copies of tensors, numbers, strings and containers of them;
     any other object (a KV cache holding every request's keys and values, a module, a config) becomes
     ``None``. ``leaves`` collects ``(path, raw_leaf, private_copy, version)`` for in-place write-back.
     ``graph``: copies of tensors that require grad stay connected to the autograd graph (a gradient request's
-    awaited values; such a copy is always written back, see :meth:`.driver.TaskState.flush`)."""
+    awaited values; such a copy is always written back, see :meth:`.driver.TaskState.flush`).
+    ``memo``: a dict shared by several calls: a tensor met again (however often it is referenced) gets the
+    copy made the first time, so references stay references and cost no memory each."""
     if isinstance(value, torch.Tensor):
+        if memo is not None:
+            hit = memo.get(id(value))
+            if hit is not None:
+                return hit[1]
         copied, private = private_copy(value, graph)
+        if memo is not None:
+            memo[id(value)] = (value, private)    # (the original is kept: its id stays its own)
         if leaves is not None:
             leaves.append((path, value, private, version_of(copied)))
         return private
@@ -48,11 +56,11 @@ def sanitize(value, depth=0, leaves=None, path=(), graph=False):
     if isinstance(value, torch.Size):
         return value
     if isinstance(value, tuple):
-        return tuple(sanitize(v, depth + 1, leaves, path + (i,), graph) for i, v in enumerate(value))
+        return tuple(sanitize(v, depth + 1, leaves, path + (i,), graph, memo) for i, v in enumerate(value))
     if isinstance(value, list):
-        return [sanitize(v, depth + 1, leaves, path + (i,), graph) for i, v in enumerate(value)]
+        return [sanitize(v, depth + 1, leaves, path + (i,), graph, memo) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return Record((k, sanitize(v, depth + 1, leaves, path + (k,), graph)) for k, v in value.items()
+        return Record((k, sanitize(v, depth + 1, leaves, path + (k,), graph, memo)) for k, v in value.items()
                       if isinstance(k, (str, int)))
     return None
 

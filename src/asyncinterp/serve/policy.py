@@ -1,10 +1,16 @@
 """What client-submitted code may do: the sandbox's whole policy, as data, in this one file.
 
-Every other module of :mod:`asyncinterp.serve.sandbox` takes its decisions
+Why it stands outside :mod:`asyncinterp.serve.sandbox`: the client reads it
+too (what a capture may name as a module, what ``ai.remote`` checks before
+sending), and the client loads no server code; importing the sandbox package
+would load the whole sandbox. Its old path ``asyncinterp.serve.sandbox.policy``
+still imports (:mod:`asyncinterp.moved`).
+
+Every module of :mod:`asyncinterp.serve.sandbox` takes its decisions
 from the names below and from nowhere else: the checker (what source is
 refused before it runs), the instrumentation (which attribute reads are
 checked when they run), the proxy modules and builtins (what submitted code
-can reach), :class:`~.tensors.PrivateTensor` (which tensor operations run and
+can reach), :class:`~.sandbox.tensors.PrivateTensor` (which tensor operations run and
 how large their results may be), the model's restricted view and the clock.
 A reviewer who wants to know what submitted code may do reads this file.
 
@@ -17,6 +23,8 @@ not the rule.
 from __future__ import annotations
 
 import torch
+
+from ..hooks.tl_names import POINT_NAMES as TL_POINT_NAMES
 
 # --------------------------------------------------------------------------- limits
 MAX_SOURCE_CHARS = 20_000           # characters of submitted source
@@ -45,7 +53,7 @@ PRIVATE_NAME = "__"
 # the only attribute assignments allowed (`m.layer.output = value`, a single target): hook points of the model
 ASSIGNABLE_POINTS = frozenset({"output", "input", "inputs", "logits", "tokens",
                                "resid_pre", "resid_mid", "resid_post", "q", "k", "v", "z", "pattern", "pre", "post",
-                               "router", "per_expert", "routed", "grad"})
+                               "router", "per_expert", "routed", "grad"}) | TL_POINT_NAMES   # blocks.1.hook_resid_post
 
 # --------------------------------------------------------------------------- modules
 # `import m`, `import m as x`, `from m import name` of these only (no relative imports, no `import *`)
@@ -250,7 +258,7 @@ TEXT_SAFE_TYPES = (str, bytes, int, float, complex, bool, type(None), torch.dtyp
 # What goes into the model (assignment, replace/set, skip, in-place edits of those copies) must be a tensor with
 # the shape, dtype and device of the value it replaces, and finite. What leaves (the result, emit) may only be
 # tensors, numbers, strings, bytes and containers of them.
-ENVOY_ATTRIBUTES = _words("path skip")
+ENVOY_ATTRIBUTES = _words("path skip at")     # at("blocks.3.hook_resid_post"): the same walk, part by part
 ROOT_ATTRIBUTES = _words("steps stop generated backward",     # the model itself only
                          "decode to_tokens token_id")  # a language model's tokenizer, text <-> ids only
 POINT_ATTRIBUTES = _words("replace set grad")        # a hook point: await it, or replace / set it; its gradient
