@@ -50,8 +50,10 @@ from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
 from ...run import EVENTS, Run, StopForward
 from ..generating import Generated, generation_point
+from .archs import arch_of
 from .layout import FlatLayout, replace_fields
-from .points import LayerEnvoy, vllm_semantic_point
+from .points import FirstLayerEnvoy, LayerEnvoy
+from .semantic import vllm_semantic_point
 from .tp import sharding_for
 
 # ----------------------------------------------------------------------------- hook points
@@ -150,7 +152,8 @@ class VLLMRoot(Model):
 
     def envoy_class_for(self, module):
         if id(module) in self.layer_ids:
-            return LayerEnvoy
+            arch = arch_of(self.module)
+            return FirstLayerEnvoy if arch is not None and arch.stream == "first" else LayerEnvoy
         return Model.envoy_class_for(self, module)
 
     @property
