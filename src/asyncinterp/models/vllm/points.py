@@ -206,6 +206,18 @@ class LayerEnvoy(Envoy):
         "stream; reading .hidden folds the residual into mlp_out in place (mlp_out += residual; "
         "residual = 0) and returns mlp_out, so editing it in place or assigning it changes the stream"))
 
+    def standard_name(self, name: str):
+        found = Envoy.standard_name(self, name)
+        if found is None and name == "mlp":
+            subs = submodules(self.module)
+            if "fc1" in subs and "fc2" in subs:         # OPT: the MLP's linears are the layer's own children
+                from ...hooks.semantic import PointUnavailableError
+                raise PointUnavailableError(
+                    f"{self.path}.mlp: this {type(self.module).__name__} has no MLP module (fc1, its activation and "
+                    "fc2 are children of the layer itself), so mlp.pre / mlp.post are not available on vLLM; read "
+                    f"{self.path}.fc1.output (a tuple: [0] is the activation's input) or {self.path}.fc2.inputs")
+        return found
+
     def skip(self, value) -> None:
         """The residual stream after this layer is ``value`` for this request, on the layer's next call.
 

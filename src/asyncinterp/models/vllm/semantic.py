@@ -17,6 +17,9 @@ output, the attention op's inputs, the activation's input, the down projection's
   computed from the attention op's inputs (:class:`.points.PatternPoint`);
 * ``mlp.pre`` / ``mlp.post``: the gate half of ``gate_up_proj``'s output and the input of
   ``down_proj`` (gated MLPs), or the up projection's output (the activation's input) and the down projection's input;
+* ``attn.z``: the per-head attention output before the output projection (TransformerLens's
+  ``hook_z``), ``[1, n, heads, d_head]``: the input of ``o_proj`` / ``c_proj`` / ``dense`` /
+  ``out_proj`` with the heads split out (an attribute of :class:`AttentionEnvoy`);
 * MoE blocks: ``router`` / ``per_expert`` / ``routed`` (:mod:`.moe`); their ``mlp.pre/post``
   are per expert and refused.
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import inspect
 
 from ...hooks import semantic as sem
+from ...hooks.envoy import Envoy
 from ...hooks.modules import submodules
 from ...hooks.views import check_replacement
 from .archs import arch_of, unsupported_reason
@@ -36,7 +40,7 @@ from .moe import is_moe_block, vllm_moe_point
 from .points import PatternPoint, QKVPart, fold_args, fold_residual, gate_half, stream_writer, unfold_args
 from .points import with_gate_half
 
-__all__ = ["vllm_semantic_point"]
+__all__ = ["vllm_semantic_point", "AttentionEnvoy", "is_attention_block"]
 
 _QKV = ("qkv_proj", "c_attn", "query_key_value")
 _UPS = ("c_fc", "fc1", "fc_in", "dense_h_to_4h", "up_proj")
@@ -185,3 +189,58 @@ def vllm_semantic_point(root, envoy, name):
                                         "activations are per expert. Read mlp.router, mlp.per_expert or mlp.routed")
         return _mlp_point(envoy, name, model)
     return None
+
+
+# ----------------------------------------------------------------------------- attn.z
+
+_OUTS = ("o_proj", "c_proj", "dense", "out_proj")
+
+
+def is_attention_block(module) -> bool:
+    """A vLLM attention block: it holds the attention op (``attn``, vLLM's ``Attention``) itself."""
+    inner = submodules(module).get("attn")
+    return inner is not None and type(inner).__name__ == "Attention"
+
+
+def _z_point(envoy):
+    model = envoy.root.module
+    label = f"{envoy.path}.z"
+    if arch_of(model) is None:
+        return sem.UnavailablePoint(label, unsupported_reason(model))
+    subs = submodules(envoy.module)
+    out = next((n for n in _OUTS if n in subs), None)
+    if out is None:
+        return sem.UnavailablePoint(label, f"on {_arch_label(model)}, this attention block has no output "
+                                    "projection to read the per-head output from")
+    proj = subs[out]
+    if getattr(proj, "input_size_per_partition", None) != getattr(proj, "input_size", None):
+        return sem.UnavailablePoint(label, "under tensor parallelism each rank holds only its heads of the "
+                                    "attention output; attn.z is not gathered yet (read it at TP=1)")
+    d = int(subs["attn"].head_size)
+
+    def read(inputs):
+        t = sem.first_arg(inputs)
+        return t.view(*t.shape[:-1], -1, d)
+
+    def write(new, inputs):
+        old = sem.first_arg(inputs)
+        want = (*old.shape[:-1], old.shape[-1] // d, d)
+        if not hasattr(new, "shape") or tuple(new.shape) != want:
+            from ...kernel.errors import ReplacementError
+            raise ReplacementError(f"replacement for {label} must be a tensor of shape {want} ([1, tokens of this "
+                                   "request in this step, heads, d_head]); edit the awaited tensor in place, or "
+                                   "build the replacement from it")
+        return sem.with_first_arg(new.reshape(old.shape), inputs)
+    return sem.SemanticPoint(envoy, "z", envoy.child(out).inputs, read, write)
+
+
+class AttentionEnvoy(Envoy):
+    """A vLLM attention block: adds ``z``, the per-head attention output before the output projection."""
+
+    @property
+    def z(self):
+        """``[1, n, heads, d_head]`` per request: the output projection's input with the heads split out."""
+        made = self.points.get("z")
+        if made is None:
+            made = self.points["z"] = _z_point(self)
+        return made
