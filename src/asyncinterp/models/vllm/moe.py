@@ -81,10 +81,11 @@ def vllm_moe_point(envoy, name: str):
     label = f"{envoy.path}.{name}"
     if name == "router":
         return sem.SemanticPoint(envoy, name, envoy.child("gate").output, sem.first_of, sem.with_first)
-    shared = [n for n in submodules(envoy.module) if n.startswith("shared_expert")]
+    shared = sorted(n for n in submodules(envoy.module) if n.startswith("shared_expert"))
     if shared:
         return sem.UnavailablePoint(label, (
-            f"this block ({type(envoy.module).__name__}) has a shared expert ({shared[0]}), which vLLM's fused "
+            f"on {type(envoy.root.module).__name__}, this block ({type(envoy.module).__name__}) has a shared expert "
+            f"({shared[0]}), which vLLM's fused "
             "experts call inside the same call and add to their output: neither that output nor a per-expert call "
             "is the routed experts alone (transformers' value). Read mlp.router here, or the block's output "
             "(mlp.output: routed + shared)"))

@@ -213,7 +213,8 @@ class LayerEnvoy(Envoy):
             if "fc1" in subs and "fc2" in subs:         # OPT: the MLP's linears are the layer's own children
                 from ...hooks.semantic import PointUnavailableError
                 raise PointUnavailableError(
-                    f"{self.path}.mlp: this {type(self.module).__name__} has no MLP module (fc1, its activation and "
+                    f"{self.path}.mlp: on {type(self.root.module).__name__}, this {type(self.module).__name__} has no "
+                    "MLP module (fc1, its activation and "
                     "fc2 are children of the layer itself), so mlp.pre / mlp.post are not available on vLLM; read "
                     f"{self.path}.fc1.output (a tuple: [0] is the activation's input) or {self.path}.fc2.inputs")
         return found

@@ -156,9 +156,17 @@ def _mlp_point(envoy, name, model):
     return sem.SemanticPoint(envoy, name, envoy.child(down).inputs, sem.first_arg, sem.with_first_arg)
 
 
-def _is_attention(envoy) -> bool:
+_ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def _is_attention(root, envoy) -> bool:
+    """The attention block of a decoder layer (by its name in the layer, or by what it holds)."""
     subs = submodules(envoy.module)
-    return "attn" in subs or any(n in subs for n in _QKV)
+    if "attn" in subs or any(n in subs for n in _QKV):
+        return True
+    parent = getattr(envoy, "parent", None)
+    return (parent is not None and id(parent.module) in root.layer_ids
+            and envoy.path.rsplit(".", 1)[-1] in _ATTN_NAMES)
 
 
 def vllm_semantic_point(root, envoy, name):
@@ -176,7 +184,7 @@ def vllm_semantic_point(root, envoy, name):
         if arch is None:
             return sem.UnavailablePoint(label, unsupported_reason(model))
         return _layer_point(root, envoy, name, arch, model)
-    if name in ("q", "k", "v", "pattern") and _is_attention(envoy):
+    if name in ("q", "k", "v", "pattern") and _is_attention(root, envoy):
         if arch is None:
             return sem.UnavailablePoint(label, unsupported_reason(model))
         return _attn_point(envoy, name, model)
