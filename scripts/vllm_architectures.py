@@ -43,7 +43,8 @@ DOC = ROOT / "docs" / "vllm-architectures.md"
 LAYER_POINTS = ("resid_pre", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.z", "resid_mid", "mlp.pre", "mlp.post",
                 "resid_post")
 MOE_POINTS = ("mlp.router", "mlp.per_expert", "mlp.routed")
-COLUMNS = LAYER_POINTS + MOE_POINTS + ("logits",)
+EDITS = ("edit resid_post", "edit attn.z")
+COLUMNS = LAYER_POINTS + MOE_POINTS + ("logits",) + EDITS
 TOL = 1e-4
 #: architectures where vLLM computes a slightly different function than transformers (not a point's fault)
 LOOSER = {"bloom": (1e-3, "vLLM's BLOOM applies the exact GELU (`get_act_fn(\"gelu\")`) where transformers' BLOOM "
@@ -178,6 +179,36 @@ def reference(arch, path, ids):
     return out
 
 
+def _delta(shape):
+    return 0.5 * torch.randn(shape, generator=torch.Generator().manual_seed(7))
+
+
+def edited_logits(arch, path, ids, what):
+    """transformers' last-position logits with ``delta`` added in place at layer 0's ``resid_post`` or ``attn.z``
+    by a hand-written hook (the reference of the ``edit`` columns)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    layer = _get(model, LAYOUT.get(arch, ("model.layers",))[0])[0]
+    if what == "resid_post":
+        def hook(mod, args, output):
+            h = output[0] if isinstance(output, tuple) else output
+            h.add_(_delta(h.shape))
+        handle = layer.register_forward_hook(hook)
+    else:
+        heads = model.config.num_attention_heads
+        attn = _child(layer, ("self_attn", "attn", "attention", "self_attention"))
+
+        def hook(mod, args):
+            x = args[0]
+            x.add_(_delta((*x.shape[:2], heads, x.shape[-1] // heads)).reshape(x.shape))
+        handle = _child(attn, OUTS).register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[:, -1].clone()
+    finally:
+        handle.remove()
+
+
 # ----------------------------------------------------------------------------- reading vLLM
 
 
@@ -191,6 +222,10 @@ def _point(m, layer, name):
 def _reader(layer, name):
     async def fn(m):
         if name == "logits":
+            return (await m.logits).clone()
+        if name.startswith("edit "):                   # add _delta in place at layer 0, return the logits
+            x = await _point(m, 0, name[5:])
+            x.add_(_delta(x.shape).to(x.dtype))
             return (await m.logits).clone()
         return (await _point(m, layer, name)).clone()
     return fn
@@ -215,7 +250,7 @@ def _short(exc) -> str:
 def classify(vm, ref, layer, name, tol=TOL):
     """``(status, detail)`` of one point at one layer: ok / refused / WRONG / ERROR."""
     from asyncinterp.hooks.semantic import PointUnavailableError
-    key = "logits" if name == "logits" else f"{layer}.{name}"
+    key = name if name == "logits" or name.startswith("edit ") else f"{layer}.{name}"
     want = ref.get(key)
     try:
         got = vm.trace({"prompt_token_ids": PROMPT}, _reader(layer, name))
@@ -256,6 +291,11 @@ def check_arch(arch, workdir):
     path = models.save(arch, os.path.join(workdir, arch))
     try:
         ref = reference(arch, path, PROMPT)
+        for what in ("resid_post", "attn.z"):
+            try:
+                ref[f"edit {what}"] = edited_logits(arch, path, PROMPT, what)
+            except Exception:  # noqa: BLE001 - no such point in transformers: a vLLM value would be WRONG
+                ref[f"edit {what}"] = None
     except Exception as exc:  # noqa: BLE001 - the row says so (and the test fails: nothing was checked)
         return {"load": f"transformers reference failed: {type(exc).__name__}: {exc}", "cells": {}}
     try:
@@ -277,6 +317,8 @@ def check_arch(arch, workdir):
         for name in names:
             cells[name] = [classify(vm, ref, i, name, tol) for i in range(ref["n_layers"])]
         cells["logits"] = [classify(vm, ref, 0, "logits", tol)]
+        for name in EDITS:
+            cells[name] = [classify(vm, ref, 0, name, tol)]
     finally:
         vm.close()
         gc.collect()
@@ -332,7 +374,9 @@ def render(table) -> str:
         "errors.**",
         "",
         "✓: equal to transformers at every layer. –: the architecture has no such point (dense MLPs have no "
-        "router; MoE layers' `mlp.pre/post` are per expert).",
+        "router; MoE layers' `mlp.pre/post` are per expert). `edit resid_post` / `edit attn.z`: the logits after "
+        "adding the same seeded delta in place at layer 0's point, against a hand-written transformers hook "
+        "making that edit.",
         "",
         "| architecture | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |",
         "|---|" + "---|" * len(COLUMNS),
