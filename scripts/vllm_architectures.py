@@ -254,13 +254,13 @@ def classify(vm, ref, layer, name, tol=TOL):
     want = ref.get(key)
     try:
         got = vm.trace({"prompt_token_ids": PROMPT}, _reader(layer, name))
-    except PointUnavailableError as exc:
-        return "refused", _short(exc)
-    except BaseException as exc:  # noqa: BLE001 - anything else is an obscure error: recorded, the test fails
+    except BaseException as exc:  # noqa: BLE001 - anything but a refusal is an obscure error: the test fails
         inner = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1 else exc
-        if isinstance(inner, PointUnavailableError):
-            return "refused", _short(inner)
-        return "ERROR", f"{type(inner).__name__}: {_short(inner)}"
+        if not isinstance(inner, PointUnavailableError):
+            return "ERROR", f"{type(inner).__name__}: {_short(inner)}"
+        if want is None and name != "mlp.per_expert":      # transformers has no such tensor either
+            ref["absent"] = ref.get("absent", 0) + 1
+        return "refused", _short(inner)
     if name == "mlp.per_expert":
         return _check_per_expert(got, ref, layer)
     if want is None:
@@ -322,32 +322,39 @@ def check_arch(arch, workdir):
     finally:
         vm.close()
         gc.collect()
-    return {"load": None, "cells": cells}
+    return {"load": None, "cells": cells, "absent": ref.get("absent", 0)}
 
 
 # ----------------------------------------------------------------------------- the table
 
 
-def cell_text(results) -> str:
-    """One table cell from the per-layer results of a point."""
+def cell_text(results, notes=None) -> str:
+    """One table cell from the per-layer results of a point (refusal reasons become numbered notes)."""
     if not results:
         return "–"
     kinds = {s for s, _ in results}
     if kinds == {"ok"}:
         return "✓"
+    if kinds == {"refused"} and notes is not None:
+        refs = []
+        for reason in sorted({d for _, d in results}):
+            if reason not in notes:
+                notes[reason] = len(notes) + 1
+            refs.append(f"[{notes[reason]}](#r{notes[reason]})")
+        return "refused " + ", ".join(refs)
     if kinds == {"refused"}:
-        reasons = sorted({d for _, d in results})
-        return "refused: " + " / ".join(reasons)
+        return "refused: " + " / ".join(sorted({d for _, d in results}))
     parts = [f"L{i}: {s}{' (' + d + ')' if d else ''}" for i, (s, d) in enumerate(results)]
     return "; ".join(parts)
 
 
 def counts(table) -> dict:
-    c = {"ok": 0, "refused": 0, "WRONG": 0, "ERROR": 0}
+    c = {"ok": 0, "refused": 0, "WRONG": 0, "ERROR": 0, "absent": 0}
     for row in table.values():
         for results in row["cells"].values():
             for s, _ in results:
                 c[s] += 1
+        c["absent"] += row.get("absent", 0)
     return c
 
 
@@ -370,8 +377,8 @@ def render(table) -> str:
         f"output), to `rtol=atol={TOL}` element-wise or {TOL} of the tensor's scale.",
         "",
         f"**{len(loaded)} of {len(table)} architectures load and run. Cells (point × layer): {c['ok']} right, "
-        f"{c['refused']} refused with `PointUnavailableError`, {c['WRONG']} silently wrong, {c['ERROR']} other "
-        "errors.**",
+        f"{c['refused']} refused with `PointUnavailableError` ({c['absent']} of them where transformers has no such "
+        f"tensor either), {c['WRONG']} silently wrong, {c['ERROR']} other errors.**",
         "",
         "✓: equal to transformers at every layer. –: the architecture has no such point (dense MLPs have no "
         "router; MoE layers' `mlp.pre/post` are per expert). `edit resid_post` / `edit attn.z`: the logits after "
@@ -381,10 +388,13 @@ def render(table) -> str:
         "| architecture | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |",
         "|---|" + "---|" * len(COLUMNS),
     ]
+    notes = {}
     for arch, row in table.items():
         if row["load"] is not None:
             continue
-        lines.append(f"| {arch} | " + " | ".join(cell_text(row["cells"].get(c)) for c in COLUMNS) + " |")
+        lines.append(f"| {arch} | " + " | ".join(cell_text(row["cells"].get(c), notes) for c in COLUMNS) + " |")
+    lines += ["", "Refusals (the `PointUnavailableError` message, `<i>` for the layer):", ""]
+    lines += [f"{n}. <a id=\"r{n}\"></a>{reason}" for reason, n in notes.items()]
     notes = [f"* **{a}**: {why}" for a, (_, why) in LOOSER.items() if a in table]
     if notes:
         lines += ["", "Tolerances:", ""] + notes
