@@ -49,9 +49,11 @@ def configs(tok) -> dict:
         "mixtral": ("MixtralConfig", ll(tok, head_dim=D, num_local_experts=4, num_experts_per_tok=2)),
         "gemma": ("GemmaConfig", ll(tok, head_dim=D, tie_word_embeddings=True)),   # vLLM ties Gemma's head
         "gemma2": ("Gemma2Config", ll(tok, head_dim=D, sliding_window=4, query_pre_attn_scalar=D,
-                                      tie_word_embeddings=True, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+                                      tie_word_embeddings=True, attn_logit_softcapping=5.0,
+                                      final_logit_softcapping=3.0)),
         "gemma3_text": ("Gemma3TextConfig", ll(tok, head_dim=D, sliding_window=4, query_pre_attn_scalar=D,
-                                               tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"])),
+                                               tie_word_embeddings=True,
+                                               layer_types=["sliding_attention", "full_attention"])),
         "phi3": ("Phi3Config", ll(tok, partial_rotary_factor=0.5)),
         "gpt2": ("GPT2Config", _common(tok, n_embd=H, n_layer=L, n_head=HEADS, n_positions=256)),
         "gpt_neox": ("GPTNeoXConfig", _common(tok, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=L,
@@ -70,7 +72,8 @@ def configs(tok) -> dict:
                                                     multi_query=True)),
         "granite": ("GraniteConfig", ll(tok, embedding_multiplier=2.0, residual_multiplier=0.5,
                                         attention_multiplier=0.1, logits_scaling=2.0)),
-        "cohere": ("CohereConfig", ll(tok, logit_scale=0.5, use_qk_norm=False, tie_word_embeddings=True)),  # vLLM ties it
+        # vLLM ties Cohere's head
+        "cohere": ("CohereConfig", ll(tok, logit_scale=0.5, use_qk_norm=False, tie_word_embeddings=True)),
         "stablelm": ("StableLmConfig", ll(tok, partial_rotary_factor=0.25)),
         "bloom": ("BloomConfig", _common(tok, hidden_size=H, n_layer=L, n_head=HEADS, tie_word_embeddings=True)),
         "mpt": ("MptConfig", _common(tok, d_model=H, n_layers=L, n_heads=HEADS, max_seq_len=256)),
@@ -78,7 +81,8 @@ def configs(tok) -> dict:
                                         layer_types=["sliding_attention", "full_attention"])),
         "glm": ("GlmConfig", ll(tok, head_dim=D)),
         "smollm3": ("SmolLM3Config", ll(tok, no_rope_layers=[1, 0])),
-        "deepseek_v2": ("DeepseekV2Config", ll(tok, num_key_value_heads=HEADS, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=32,
+        "deepseek_v2": ("DeepseekV2Config", ll(tok, num_key_value_heads=HEADS, q_lora_rank=None, kv_lora_rank=32,
+                                               qk_rope_head_dim=32,
                                                qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
                                                num_experts_per_tok=2, moe_intermediate_size=H, n_shared_experts=1,
                                                first_k_dense_replace=1, topk_method="greedy", n_group=1,

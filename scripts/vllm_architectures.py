@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "vllm-architectures.md"
 
 LAYER_POINTS = ("resid_pre", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.z", "resid_mid", "mlp.pre", "mlp.post",
-                "resid_post")
+                "resid_post", "hidden")
 MOE_POINTS = ("mlp.router", "mlp.per_expert", "mlp.routed")
 EDITS = ("edit resid_post", "edit attn.z")
 COLUMNS = LAYER_POINTS + MOE_POINTS + ("logits",) + EDITS
@@ -176,6 +176,8 @@ def reference(arch, path, ids):
     for key in [k for k in out if k.endswith(".resid_mid")]:
         out[key] = out[key].reshape(1, -1, out[key].shape[-1])      # (OPT flattens the batch before that norm)
     out["n_layers"] = len(layers)
+    for i in range(len(layers)):
+        out[f"{i}.hidden"] = out[f"{i}.resid_post"]           # vLLM's own name for the stream after a layer
     return out
 
 
@@ -313,7 +315,7 @@ def check_arch(arch, workdir):
     tol = LOOSER.get(arch, (TOL, ""))[0]
     try:
         moe = any(k.endswith("mlp.router") for k in ref)
-        names = LAYER_POINTS[:-3] + MOE_POINTS + LAYER_POINTS[-1:] if moe else LAYER_POINTS
+        names = LAYER_POINTS[:-4] + MOE_POINTS + LAYER_POINTS[-2:] if moe else LAYER_POINTS
         for name in names:
             cells[name] = [classify(vm, ref, i, name, tol) for i in range(ref["n_layers"])]
         cells["logits"] = [classify(vm, ref, 0, "logits", tol)]
@@ -381,7 +383,8 @@ def render(table) -> str:
         f"tensor either), {c['WRONG']} silently wrong, {c['ERROR']} other errors.**",
         "",
         "✓: equal to transformers at every layer. –: the architecture has no such point (dense MLPs have no "
-        "router; MoE layers' `mlp.pre/post` are per expert). `edit resid_post` / `edit attn.z`: the logits after "
+        "router; MoE layers' `mlp.pre/post` are per expert). `hidden`: vLLM's `layers[i].hidden` (the stream after "
+        "the layer). `edit resid_post` / `edit attn.z`: the logits after "
         "adding the same seeded delta in place at layer 0's point, against a hand-written transformers hook "
         "making that edit.",
         "",

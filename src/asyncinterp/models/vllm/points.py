@@ -247,6 +247,22 @@ class FirstLayerEnvoy(LayerEnvoy):
         "layer's (stream, residual) output; edit it in place or assign it"))
 
 
+class UncheckedLayerEnvoy(LayerEnvoy):
+    """A decoder layer of an architecture not in :mod:`.archs`: ``.hidden`` and ``skip`` refuse (the stream's form
+    there is unknown, e.g. vLLM's Transformers backend runs a ``[1, tokens, hidden]`` batch)."""
+
+    @property
+    def hidden(self):
+        from ...hooks.semantic import PointUnavailableError
+        from .archs import unsupported_reason
+        raise PointUnavailableError(f"{self.path}.hidden is not available: {unsupported_reason(self.root.module)}")
+
+    def skip(self, value) -> None:
+        from ...hooks.semantic import PointUnavailableError
+        from .archs import unsupported_reason
+        raise PointUnavailableError(f"{self.path}.skip(...) is not available: {unsupported_reason(self.root.module)}")
+
+
 class _Skip:
     __slots__ = ("task", "value", "label")
 

@@ -52,7 +52,7 @@ from ...run import EVENTS, Run, StopForward
 from ..generating import Generated, generation_point
 from .archs import arch_of
 from .layout import FlatLayout, replace_fields
-from .points import FirstLayerEnvoy, LayerEnvoy
+from .points import FirstLayerEnvoy, LayerEnvoy, UncheckedLayerEnvoy
 from .semantic import AttentionEnvoy, is_attention_block, vllm_semantic_point
 from .tp import sharding_for
 
@@ -164,7 +164,9 @@ class VLLMRoot(Model):
     def envoy_class_for(self, module):
         if id(module) in self.layer_ids:
             arch = arch_of(self.module)
-            return FirstLayerEnvoy if arch is not None and arch.stream == "first" else LayerEnvoy
+            if arch is None:
+                return UncheckedLayerEnvoy
+            return FirstLayerEnvoy if arch.stream == "first" else LayerEnvoy
         if is_attention_block(module):
             return AttentionEnvoy
         return Model.envoy_class_for(self, module)
