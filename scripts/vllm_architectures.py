@@ -43,7 +43,7 @@ DOC = ROOT / "docs" / "vllm-architectures.md"
 LAYER_POINTS = ("resid_pre", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.z", "resid_mid", "mlp.pre", "mlp.post",
                 "resid_post", "hidden")
 MOE_POINTS = ("mlp.router", "mlp.per_expert", "mlp.routed")
-EDITS = ("edit resid_post", "edit attn.z")
+EDITS = ("edit resid_post", "edit attn.z", "assign resid_pre", "assign resid_mid")
 COLUMNS = LAYER_POINTS + MOE_POINTS + ("logits",) + EDITS
 TOL = 1e-4
 #: architectures where vLLM computes a slightly different function than transformers (not a point's fault)
@@ -186,12 +186,25 @@ def _delta(shape):
 
 
 def edited_logits(arch, path, ids, what):
-    """transformers' last-position logits with ``delta`` added in place at layer 0's ``resid_post`` or ``attn.z``
-    by a hand-written hook (the reference of the ``edit`` columns)."""
+    """transformers' last-position logits with ``delta`` added in place at a point by a hand-written hook (the
+    reference of the ``edit`` / ``assign`` columns): layer 0's ``resid_post`` or ``attn.z``, layer 1's ``resid_pre``
+    (the layer's input) or ``resid_mid`` (the input of the pre-MLP norm, or of the MLP)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    layer = _get(model, LAYOUT.get(arch, ("model.layers",))[0])[0]
-    if what == "resid_post":
+    layers_path, mid = LAYOUT.get(arch, ("model.layers", "post_attention_layernorm"))
+    layer = _get(model, layers_path)[0]
+    if what in ("resid_pre", "resid_mid"):
+        layer = _get(model, layers_path)[1]
+        if what == "resid_mid" and mid is None:
+            raise LookupError("no resid_mid")
+        mlp = _child(layer, ("mlp", "feed_forward", "block_sparse_moe"))
+        target = layer if what == "resid_pre" else (mlp if mid == "mlp" else layer._modules[mid])
+
+        def pre(mod, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            x.add_(_delta(x.shape).reshape(x.shape) if x.dim() == 3 else _delta((1, *x.shape))[0])
+        handle = target.register_forward_pre_hook(pre, with_kwargs=True)
+    elif what == "resid_post":
         def hook(mod, args, output):
             h = output[0] if isinstance(output, tuple) else output
             h.add_(_delta(h.shape))
@@ -229,6 +242,11 @@ def _reader(layer, name):
             x = await _point(m, 0, name[5:])
             x.add_(_delta(x.shape).to(x.dtype))
             return (await m.logits).clone()
+        if name.startswith("assign "):                 # assign x + _delta at layer 1, return the logits
+            point = _point(m, 1, name[7:])
+            x = await point
+            point.replace(x + _delta(x.shape).to(x.dtype))
+            return (await m.logits).clone()
         return (await _point(m, layer, name)).clone()
     return fn
 
@@ -252,7 +270,7 @@ def _short(exc) -> str:
 def classify(vm, ref, layer, name, tol=TOL):
     """``(status, detail)`` of one point at one layer: ok / refused / WRONG / ERROR."""
     from asyncinterp.hooks.semantic import PointUnavailableError
-    key = name if name == "logits" or name.startswith("edit ") else f"{layer}.{name}"
+    key = name if name == "logits" or name.startswith(("edit ", "assign ")) else f"{layer}.{name}"
     want = ref.get(key)
     try:
         got = vm.trace({"prompt_token_ids": PROMPT}, _reader(layer, name))
@@ -293,11 +311,12 @@ def check_arch(arch, workdir):
     path = models.save(arch, os.path.join(workdir, arch))
     try:
         ref = reference(arch, path, PROMPT)
-        for what in ("resid_post", "attn.z"):
+        for what in ("resid_post", "attn.z", "resid_pre", "resid_mid"):
             try:
-                ref[f"edit {what}"] = edited_logits(arch, path, PROMPT, what)
+                col = f"{'assign' if what in ('resid_pre', 'resid_mid') else 'edit'} {what}"
+                ref[col] = edited_logits(arch, path, PROMPT, what)
             except Exception:  # noqa: BLE001 - no such point in transformers: a vLLM value would be WRONG
-                ref[f"edit {what}"] = None
+                ref[col] = None
     except Exception as exc:  # noqa: BLE001 - the row says so (and the test fails: nothing was checked)
         return {"load": f"transformers reference failed: {type(exc).__name__}: {exc}", "cells": {}}
     try:
@@ -385,8 +404,9 @@ def render(table) -> str:
         "✓: equal to transformers at every layer. –: the architecture has no such point (dense MLPs have no "
         "router; MoE layers' `mlp.pre/post` are per expert). `hidden`: vLLM's `layers[i].hidden` (the stream after "
         "the layer). `edit resid_post` / `edit attn.z`: the logits after "
-        "adding the same seeded delta in place at layer 0's point, against a hand-written transformers hook "
-        "making that edit.",
+        "adding the same seeded delta in place at layer 0's point; `assign resid_pre` / `assign resid_mid`: after "
+        "assigning `x + delta` to layer 1's point; both against a hand-written transformers hook adding that delta "
+        "in place (to the layer's input / the pre-MLP norm's input).",
         "",
         "| architecture | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |",
         "|---|" + "---|" * len(COLUMNS),
