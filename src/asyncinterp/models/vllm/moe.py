@@ -16,6 +16,8 @@ What vLLM computes, and so what each point is:
 * ``routed``: the output of the fused experts (``experts``, the weighted sum
   of the chosen experts' outputs; with tensor parallelism vLLM reduces it
   across ranks inside the layer). Readable and writable.
+* Blocks with a shared expert (Qwen2-MoE): vLLM adds it inside the fused experts' call, so
+  ``routed`` and ``per_expert`` are refused there (``PointUnavailableError``); ``router`` works.
 * ``per_expert``: ``[1, n, E, hidden]``, each expert's output for each token
   before the routing weight. The fused kernel never materialises it, so it is
   computed when awaited by vLLM's own fused experts, called once per expert
@@ -79,6 +81,14 @@ def vllm_moe_point(envoy, name: str):
     label = f"{envoy.path}.{name}"
     if name == "router":
         return sem.SemanticPoint(envoy, name, envoy.child("gate").output, sem.first_of, sem.with_first)
+    shared = sorted(n for n in submodules(envoy.module) if n.startswith("shared_expert"))
+    if shared:
+        return sem.UnavailablePoint(label, (
+            f"on {type(envoy.root.module).__name__}, this block ({type(envoy.module).__name__}) has a shared expert "
+            f"({shared[0]}), which vLLM's fused "
+            "experts call inside the same call and add to their output: neither that output nor a per-expert call "
+            "is the routed experts alone (transformers' value). Read mlp.router here, or the block's output "
+            "(mlp.output: routed + shared)"))
     experts = envoy.child("experts")
     if name == "routed":
         return sem.SemanticPoint(envoy, name, experts.output, sem.first_of, sem.with_first)

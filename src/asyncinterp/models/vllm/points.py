@@ -206,6 +206,19 @@ class LayerEnvoy(Envoy):
         "stream; reading .hidden folds the residual into mlp_out in place (mlp_out += residual; "
         "residual = 0) and returns mlp_out, so editing it in place or assigning it changes the stream"))
 
+    def standard_name(self, name: str):
+        found = Envoy.standard_name(self, name)
+        if found is None and name == "mlp":
+            subs = submodules(self.module)
+            if "fc1" in subs and "fc2" in subs:         # OPT: the MLP's linears are the layer's own children
+                from ...hooks.semantic import PointUnavailableError
+                raise PointUnavailableError(
+                    f"{self.path}.mlp: on {type(self.root.module).__name__}, this {type(self.module).__name__} has no "
+                    "MLP module (fc1, its activation and "
+                    "fc2 are children of the layer itself), so mlp.pre / mlp.post are not available on vLLM; read "
+                    f"{self.path}.fc1.output (a tuple: [0] is the activation's input) or {self.path}.fc2.inputs")
+        return found
+
     def skip(self, value) -> None:
         """The residual stream after this layer is ``value`` for this request, on the layer's next call.
 
@@ -220,6 +233,34 @@ class LayerEnvoy(Envoy):
         Call it before the layer runs in the step.
         """
         skip_layer(self, value)
+
+
+class FirstLayerEnvoy(LayerEnvoy):
+    """A decoder layer that returns ``(stream, residual)`` with the stream *first* (StableLM, Cohere, EXAONE-4).
+
+    The second element is a stale copy nobody adds (see :mod:`.archs`), so ``.hidden`` is the
+    first element itself, not the pair's sum; writes give ``(stream, 0)`` as on other layers.
+    """
+
+    hidden = _StreamPoint(base="output", read=lambda out: out[0] if isinstance(out, tuple) else out, doc=(
+        "the residual stream after this layer ([1, n, hidden] per request): the first element of the "
+        "layer's (stream, residual) output; edit it in place or assign it"))
+
+
+class UncheckedLayerEnvoy(LayerEnvoy):
+    """A decoder layer of an architecture not in :mod:`.archs`: ``.hidden`` and ``skip`` refuse (the stream's form
+    there is unknown, e.g. vLLM's Transformers backend runs a ``[1, tokens, hidden]`` batch)."""
+
+    @property
+    def hidden(self):
+        from ...hooks.semantic import PointUnavailableError
+        from .archs import unsupported_reason
+        raise PointUnavailableError(f"{self.path}.hidden is not available: {unsupported_reason(self.root.module)}")
+
+    def skip(self, value) -> None:
+        from ...hooks.semantic import PointUnavailableError
+        from .archs import unsupported_reason
+        raise PointUnavailableError(f"{self.path}.skip(...) is not available: {unsupported_reason(self.root.module)}")
 
 
 class _Skip:
@@ -558,58 +599,33 @@ class PatternPoint(Point):
 
 
 def attention_probs(q, keys, pos, module, label):
-    """softmax(q k^T * scale + mask) for ``q`` ``[n, heads, d]`` at positions ``pos`` over ``keys`` ``[n_ctx, kv, d]``."""
+    """softmax(q k^T * scale + mask) for ``q`` ``[n, heads, d]`` at positions ``pos`` over ``keys`` ``[n_ctx, kv, d]``.
+
+    What the attention op was configured with is applied as it applies it: its ``scale``, a
+    logits soft-cap (``cap * tanh(s / cap)``), ALiBi slopes (``slope_h * (key_pos - query_pos)``)
+    and a sliding window. Attention sinks are refused.
+    """
     from ...hooks.semantic import PointUnavailableError
     impl = getattr(module, "impl", None)
-    if getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "logits_soft_cap", None):
-        raise PointUnavailableError(f"{label}: attention with ALiBi or a logits soft cap is not supported")
+    if getattr(impl, "sinks", None) is not None:
+        raise PointUnavailableError(f"{label}: attention with sinks (extra softmax logits per head) is not supported")
     scale = getattr(impl, "scale", None) or q.shape[-1] ** -0.5
     qh = q.float().transpose(0, 1)                         # [heads, n, d]
     kh = keys.float().transpose(0, 1)                      # [kv, n_ctx, d]
     if kh.shape[0] != qh.shape[0]:
         kh = kh.repeat_interleave(qh.shape[0] // kh.shape[0], dim=0)
     scores = qh @ kh.transpose(-1, -2) * float(scale)      # [heads, n, n_ctx]
+    cap = getattr(impl, "logits_soft_cap", None)
+    if cap:
+        scores = float(cap) * torch.tanh(scores / float(cap))
     key_pos = torch.arange(kh.shape[1], device=scores.device)
-    allowed = key_pos[None, :] <= pos[:, None].to(scores.device)
+    qpos = pos[:, None].to(scores.device)
+    slopes = getattr(impl, "alibi_slopes", None)
+    if slopes is not None:
+        slopes = torch.as_tensor(slopes, dtype=torch.float32, device=scores.device)
+        scores = scores + slopes[:, None, None] * (key_pos[None, :] - qpos)[None].float()
+    allowed = key_pos[None, :] <= qpos
     window = getattr(module, "sliding_window", None)
     if isinstance(window, int) and window > 0:
-        allowed &= key_pos[None, :] > pos[:, None].to(scores.device) - window
+        allowed &= key_pos[None, :] > qpos - window
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(q.dtype)
-
-
-# ----------------------------------------------------------------------------- semantic names
-
-
-def vllm_semantic_point(root, envoy, name):
-    """The semantic point ``name`` of ``envoy`` on a vLLM model (see asyncinterp.hooks.semantic), or ``None``."""
-    from ...hooks import semantic as sem
-    if name in sem.MOE_NAMES:
-        from .moe import vllm_moe_point
-        return vllm_moe_point(envoy, name)
-    subs = submodules(envoy.module)
-    if name in sem.LAYER_NAMES:
-        if id(envoy.module) not in root.layer_ids:
-            return None
-        label = f"{envoy.path}.{name}"
-        if name == "resid_pre":
-            return sem.SemanticPoint(envoy, name, envoy.inputs, lambda v: fold_args(v, 1), unfold_args(label, 1))
-        if name == "resid_post":
-            return sem.SemanticPoint(envoy, name, envoy.output, fold_residual, stream_writer(label, False))
-        norm = envoy.child("post_attention_layernorm") if "post_attention_layernorm" in subs else None
-        if norm is None:
-            return sem.UnavailablePoint(label, "this layer has no post_attention_layernorm")
-        return sem.SemanticPoint(envoy, name, norm.inputs, fold_args, unfold_args(label, 0))
-    if name in ("q", "k", "v") and "qkv_proj" in subs:
-        return QKVPart(envoy, name, envoy.child("qkv_proj"))
-    if name == "z" and "qkv_proj" in subs:
-        return sem.UnavailablePoint(f"{envoy.path}.z", "attn.z is not given on vLLM yet (its attention writes the "
-                                    "heads into a flat [tokens, heads * d_head] buffer); read o_proj.input")
-    if name == "pattern" and "qkv_proj" in subs:
-        if "attn" not in subs:
-            return sem.UnavailablePoint(f"{envoy.path}.pattern", "this attention block has no inner `attn` op")
-        return PatternPoint(envoy, envoy.child("attn"))
-    if name in sem.MLP_NAMES and "gate_up_proj" in subs:
-        if name == "pre":
-            return sem.SemanticPoint(envoy, name, envoy.child("gate_up_proj").output, gate_half, with_gate_half)
-        return sem.SemanticPoint(envoy, name, envoy.child("down_proj").inputs, sem.first_arg, sem.with_first_arg)
-    return None

@@ -50,8 +50,10 @@ from ...kernel.scheduler import current_kernel, current_task
 from ...model import Model
 from ...run import EVENTS, Run, StopForward
 from ..generating import Generated, generation_point
+from .archs import arch_of
 from .layout import FlatLayout, replace_fields
-from .points import LayerEnvoy, vllm_semantic_point
+from .points import FirstLayerEnvoy, LayerEnvoy, UncheckedLayerEnvoy
+from .semantic import AttentionEnvoy, is_attention_block, vllm_semantic_point
 from .tp import sharding_for
 
 # ----------------------------------------------------------------------------- hook points
@@ -144,13 +146,29 @@ class VLLMRoot(Model):
         """Not on vLLM: raises at once (the engine runs under ``torch.inference_mode``, no graph is recorded)."""
         raise _no_gradients("m.backward(...)")
 
+    def standard_name(self, name: str):
+        found = Model.standard_name(self, name)
+        if found is None and name == "layers":      # a layer list the standard names do not know (see find_layers)
+            for path in _LAYER_PATHS:
+                envoy = self
+                for part in path.split("."):
+                    envoy = envoy.child(part) if envoy is not None and part in submodules(envoy.module) else None
+                if envoy is not None:
+                    return envoy
+        return found
+
     def build_semantic_point(self, envoy, name):
         """vLLM's module tree: resid_pre/mid/post fold the (x, residual) pairs, attn.q/k/v/pattern, mlp.pre/post."""
         return vllm_semantic_point(self, envoy, name)
 
     def envoy_class_for(self, module):
         if id(module) in self.layer_ids:
-            return LayerEnvoy
+            arch = arch_of(self.module)
+            if arch is None:
+                return UncheckedLayerEnvoy
+            return FirstLayerEnvoy if arch.stream == "first" else LayerEnvoy
+        if is_attention_block(module):
+            return AttentionEnvoy
         return Model.envoy_class_for(self, module)
 
     @property
@@ -194,9 +212,13 @@ class VLLMRoot(Model):
         return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
 
+#: where vLLM models keep their decoder layers ("model.h": GPT-BigCode under vLLM's Transformers backend)
+_LAYER_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "layers", "model.h")
+
+
 def find_layers(module) -> list:
     """The decoder layers of a vLLM model (``model.layers`` and the like), or ``[]``."""
-    for path in ("model.layers", "transformer.h", "model.decoder.layers", "layers"):
+    for path in _LAYER_PATHS:
         m = module
         for part in path.split("."):
             m = submodules(m).get(part) if m is not None else None
