@@ -81,3 +81,21 @@ def test_the_page_says_what_was_found(checker, table):
     for line in checker.render(table).splitlines():
         if line.startswith("| ") and not line.startswith("| architecture"):
             assert line in page, line
+
+
+def test_module_points_inside_the_transformers_backend_are_refused(checker, tmp_path):
+    """vLLM's Transformers backend runs its layers on [1, all tokens, hidden]: a module point there would hold
+    every request's tokens (a cross-request value), so it is refused; the logits stay per request."""
+    import asyncinterp as ai
+    from asyncinterp.hooks.semantic import PointUnavailableError
+    path = checker.models.save("gpt_neox", str(tmp_path / "gpt_neox"))
+    vm = ai.VLLM(path, **checker.ENGINE)
+    try:
+        async def read(m):
+            return await m.layers[0].output
+
+        with pytest.raises(PointUnavailableError, match="Transformers modeling backend"):
+            vm.trace({"prompt_token_ids": checker.PROMPT}, read)
+        assert vm.trace({"prompt_token_ids": checker.PROMPT}, checker._reader(0, "logits")).shape[0] == 1
+    finally:
+        vm.close()

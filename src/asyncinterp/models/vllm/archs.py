@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Arch", "ARCHS", "arch_of", "unsupported_reason"]
+__all__ = ["Arch", "ARCHS", "arch_of", "backend_refusal", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -126,3 +126,13 @@ def unsupported_reason(model) -> str:
             "pass the residual stream in another form than the checked architectures (see "
             "docs/vllm-architectures.md). Read module points (.output, .inputs) directly, or load the same "
             "weights with ai.LanguageModel")
+
+
+def backend_refusal(model) -> str | None:
+    """Why no module point inside ``model`` can be given per request (vLLM's Transformers modeling backend
+    runs its layers on a ``[1, all tokens, hidden]`` batch: the flat per-request layout cannot cut it, so a
+    module point there would show every request's tokens), or ``None`` for vLLM's own model classes."""
+    if type(model).__name__ not in _BACKEND:
+        return None
+    return (unsupported_reason(model) + ". Module points inside it (.output, .inputs) are refused for the same "
+            "reason: there each would hold every request's tokens, not this request's")

@@ -52,6 +52,7 @@ from ...run import EVENTS, Run, StopForward
 from ..generating import Generated, generation_point
 from .archs import arch_of
 from .layout import FlatLayout, replace_fields
+from .archs import backend_refusal
 from .points import FirstLayerEnvoy, LayerEnvoy, UncheckedLayerEnvoy
 from .semantic import AttentionEnvoy, is_attention_block, vllm_semantic_point
 from .tp import sharding_for
@@ -340,6 +341,13 @@ class WorkerRun(Run):
         self.stopped = True
 
     # ------------------------------------------------------------------ hooks
+    def install_point(self, point) -> None:
+        refusal = self.session.backend_refusal
+        if refusal is not None and point.envoy.module not in self._ranked:
+            from ...hooks.semantic import PointUnavailableError
+            raise PointUnavailableError(f"{point.describe()} is not available: {refusal}")
+        Run.install_point(self, point)
+
     def output_hook(self, point):
         return self._wrap(point, Run.output_hook(self, point), "output")
 
@@ -483,6 +491,7 @@ class WorkerSession:
             root = VLLMRoot(runner.model, runner.sampler)
         self.root = root
         self.runs = {}            # job key -> open WorkerRun
+        self.backend_refusal = backend_refusal(runner.model)   # module points refused on the Transformers backend
 
     def decode(self, ids):
         tok = self._tokenizer
