@@ -48,8 +48,8 @@ NOT_COVERED = [
      "is a clear error there), the reference's residual formula does not fit (doge, minimax: scaled residual "
      "branches), or resid_mid / fused q/k/v are refused as not verified (cohere2_moe, flex_olmo, granitemoe_swa, "
      "granitemoeshared, hyperclovax, jetmoe, persimmon, zaya). nanochat calls its final norm module twice "
-     "(after the embedding too), so `final_norm.output` is its first call there: use `.next()` or read "
-     "`lm_head.input`",
+     "(after the embedding too), so the standard name `final_norm` is refused there (the error says to read "
+     "`lm_head.input`)",
      "axk1 axk2 biogpt codegen cohere2_moe ctrl dbrx deepseek_v32 doge dots1 flex_olmo glm4_moe_lite gpt_neo "
      "gpt_neox_japanese granitemoe_swa granitemoeshared hyperclovax jetmoe longcat_flash minimax nanochat "
      "openai-gpt persimmon xglm youtu zaya"),

@@ -107,3 +107,17 @@ def test_a_name_read_before_set_alias_follows_the_new_alias(gpt2_hf):
     finally:
         h.remove()
     assert torch.equal(got, seen["out"])
+
+
+def test_final_norm_is_refused_where_its_module_runs_twice():
+    """nanochat calls model.norm after the embedding and before lm_head: `final_norm` would be its first call."""
+    import pytest as _pytest
+    from transformers import NanoChatConfig, NanoChatForCausalLM
+    import asyncinterp as ai
+    from asyncinterp.kernel.errors import ModulePathError
+    model = ai.wrap(NanoChatForCausalLM(NanoChatConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=1, num_attention_heads=4,
+                                                        num_key_value_heads=4)).eval())
+    with _pytest.raises(ModulePathError, match="twice"):
+        model.final_norm
+    assert model.layers[0] is not None and model.embed is not None

@@ -56,7 +56,7 @@ STANDARD: dict[str, list[str]] = {
 }
 
 
-_BY_ARCHITECTURE = frozenset(("mlp_norm", "mlp"))
+_BY_ARCHITECTURE = frozenset(("mlp_norm", "mlp", "final_norm"))
 
 
 def register(name: str, *paths: str) -> None:

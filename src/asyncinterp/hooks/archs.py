@@ -182,8 +182,20 @@ def mlp_refusal(layer_or_mlp):
     return (facts(layer_or_mlp) or {}).get("mlp")
 
 
+#: model-level standard names whose module does not compute what the name says, by architecture
+_MODEL_NAMES = {
+    "nanochat": {"final_norm": Refused(
+        "nanochat calls its norm module (model.norm) twice in a forward, after the embedding and before lm_head, "
+        "so its .output would be the first call, not the final norm; read lm_head.input (or model.norm.output's "
+        "second call)")},
+}
+
+
 def alias_override(envoy, name: str):
     """What the table says standard name ``name`` means on ``envoy`` (a child name or a Refused), or ``None``."""
+    said = _MODEL_NAMES.get(arch_name(envoy), {}).get(name)
+    if said is not None:
+        return said
     entry = facts(envoy)
     if not entry:
         return None
