@@ -41,7 +41,14 @@ def checker():
 
 
 @pytest.fixture(scope="module")
-def table(checker, tmp_path_factory):
+def backend_dir(checker, tmp_path_factory):
+    """A GPT-NeoX checkpoint (vLLM runs it through its Transformers backend), saved before any engine of this
+    module loads one: loading patches the transformers classes it runs, so they cannot be built afterwards."""
+    return checker.models.save("gpt_neox", str(tmp_path_factory.mktemp("backend") / "gpt_neox"))
+
+
+@pytest.fixture(scope="module")
+def table(checker, tmp_path_factory, backend_dir):
     chosen = os.environ.get("ASYNCINTERP_VLLM_ARCHS")
     archs = chosen.split(",") if chosen else list(checker.models.ARCHS)
     return checker.run(archs, str(tmp_path_factory.mktemp("vllm-archs")), log=lambda *a: None)
@@ -83,13 +90,12 @@ def test_the_page_says_what_was_found(checker, table):
             assert line in page, line
 
 
-def test_module_points_inside_the_transformers_backend_are_refused(checker, tmp_path):
+def test_module_points_inside_the_transformers_backend_are_refused(checker, backend_dir):
     """vLLM's Transformers backend runs its layers on [1, all tokens, hidden]: a module point there would hold
     every request's tokens (a cross-request value), so it is refused; the logits stay per request."""
     import asyncinterp as ai
     from asyncinterp.hooks.semantic import PointUnavailableError
-    path = checker.models.save("gpt_neox", str(tmp_path / "gpt_neox"))
-    vm = ai.VLLM(path, **checker.ENGINE)
+    vm = ai.VLLM(backend_dir, **checker.ENGINE)
     try:
         async def read(m):
             return await m.layers[0].output
