@@ -121,10 +121,11 @@ def _attn_point(envoy, name, model):
     subs = submodules(envoy.module)
     label = f"{envoy.path}.{name}"
     proj = next((n for n in _QKV if n in subs), None)
-    if proj is None or type(subs[proj]).__name__ != "QKVParallelLinear":
+    # a LoRA-enabled engine wraps the projection (its output then has the adapter's delta: what the model uses)
+    module = None if proj is None else getattr(subs[proj], "base_layer", subs[proj])
+    if module is None or type(module).__name__ != "QKVParallelLinear":
         return sem.UnavailablePoint(label, f"on {_arch_label(model)}, this attention block has no merged "
                                     "QKVParallelLinear projection to take q, k and v from")
-    module = subs[proj]
     if getattr(module, "skip_bias_add", False) and getattr(module, "bias", None) is not None:
         return sem.UnavailablePoint(label, f"on {_arch_label(model)}, the q/k/v projection returns its bias "
                                     "separately (the block adds it later), so its output is not q, k and v")
