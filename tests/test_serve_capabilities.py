@@ -20,12 +20,6 @@ def served(request):
     live.close()
 
 
-def _resolve(m, name):
-    for part in name.split("."):
-        m = m[int(part)] if part.isdigit() else getattr(m, part)
-    return m
-
-
 def test_capabilities_list_every_point_with_the_shapes_a_local_trace_gives(served):
     model, live = served
     r = httpx.get(f"{live.url}/v1/capabilities", headers={"authorization": f"Bearer {KEY}"}, timeout=120)
@@ -41,7 +35,7 @@ def test_capabilities_list_every_point_with_the_shapes_a_local_trace_gives(serve
     # the shapes and dtypes equal those of a local trace, point by point (each awaited alone)
     for name, info in caps["points"].items():
         async def read(m, name=name):
-            v = await _resolve(m, name)
+            v = await m.at(name)
             return v[0] if isinstance(v, tuple) else v
         v = model.trace(PROBE, read)
         assert info["shape"] == ["n" if d == n else d for d in v.shape], name

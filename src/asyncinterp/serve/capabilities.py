@@ -44,13 +44,6 @@ def _point_names(n_layers: int) -> list:
     return names
 
 
-def _resolve(m, name: str):
-    target = m
-    for part in name.split("."):
-        target = target[int(part)] if part.isdigit() else getattr(target, part)
-    return target
-
-
 def _describe(value, n_tokens: int) -> dict:
     import torch
     if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
@@ -68,7 +61,7 @@ def probe_points(n_layers: int, n_tokens: int):
 
         async def one(name):
             try:
-                return name, True, _describe(await _resolve(m, name), n_tokens)
+                return name, True, _describe(await m.at(name), n_tokens)
             except Exception as exc:  # noqa: BLE001 - a refusal is the answer for this point
                 return name, False, f"{type(exc).__name__}: {exc}"
 
