@@ -61,7 +61,9 @@ from starlette.routing import Route
 
 from .. import aio
 from . import capabilities, choices, confine, errors, jobs_api, model_names, openai_compat, receipts, sessions
-from . import structured, tokenize_api, wire
+from . import edit_registry, structured, tokenize_api, wire
+from .durable import batches, files
+from .durable.state import Durable
 from . import logprobs as logprob_fields
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
@@ -154,11 +156,13 @@ class Server:
                  max_wait_ms: float = 5.0, max_queue: int = 256, timeout: float = 30.0, code_budget: float = 1.0,
                  max_body_bytes: int = 1 << 20, max_new_tokens: int = 256, max_prompt_tokens: int | None = None,
                  exact: bool = False, name: str | None = None, builtin_interventions: bool = True,
-                 batcher: Batcher | None = None, isolation="thread", prompt_tokens_details: bool = False):
+                 batcher: Batcher | None = None, isolation="thread", prompt_tokens_details: bool = False,
+                 state_dir: str | None = None, admin_keys=None):
         self.model = model
         self.prompt_tokens_details = bool(prompt_tokens_details)
         self.name = name or type(getattr(model, "module", model)).__name__
-        self.api_keys = [k.encode() for k in (api_keys or []) if k]
+        self.admin_keys = [k.encode() for k in (admin_keys or []) if k]     # may register edits (edit_registry)
+        self.api_keys = [k.encode() for k in (api_keys or []) if k] + self.admin_keys
         self.allow_code = allow_code
         self.timeout = float(timeout)
         self.code_budget = float(code_budget)
@@ -186,6 +190,7 @@ class Server:
         self.programs = ProgramCache()
         self.confinement = confine.at_start(self)     # whether submitted code runs confined (said at start)
         self._app = None
+        self.durable = Durable(self, state_dir)      # files, batches, runtime edits (serve/durable)
         self.started = int(time.time())
         if builtin_interventions and self.is_lm:
             from .builtins import register_builtins
@@ -235,18 +240,24 @@ class Server:
             *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
             *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
+            *files.routes(self), *batches.routes(self), *edit_registry.routes(self),   # OpenAI's batches; edits
         ]
 
         async def http_error(request, exc):
             render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response
             return render(errors.routing_failure(exc.status_code, exc.detail or "not found"))
 
+        async def startup():
+            self.durable.start(at_startup=True)     # unfinished batches resume, stored edits are installed
+
         async def shutdown():
+            await self.durable.close()
             await self.batcher.aclose()
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_shutdown=[shutdown]) \
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_startup=[startup],
+                         on_shutdown=[shutdown]) \
             if _takes_on_shutdown() else Starlette(routes=routes, exception_handlers={HTTPException: http_error},
-                                                    lifespan=_lifespan(shutdown))
+                                                    lifespan=_lifespan(startup, shutdown))
 
     def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
             allow_non_loopback: bool = False, **uvicorn_kwargs) -> None:
@@ -763,6 +774,7 @@ class Server:
     # the plumbing that endpoint modules registered beside these (jobs_api) share, by public names
     read_body, decode_body, check_fields, request_timeout = _read_body, _decode, _fields, _timeout
     check_input, check_new_tokens, guarded, respond, stream_events = _input, _check_new_tokens, _guarded, _respond, _stream
+    openai_work = _openai       # a batch line is answered as its synchronous request (durable.batch_runner)
 
 
 def _msgpack_event(ev, receipt=None) -> bytes:
@@ -785,9 +797,10 @@ def _takes_on_shutdown():
     return "on_shutdown" in inspect.signature(Starlette.__init__).parameters
 
 
-def _lifespan(shutdown):
+def _lifespan(startup, shutdown):
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await startup()
         yield
         await shutdown()
     return lifespan
