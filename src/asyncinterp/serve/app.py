@@ -236,17 +236,27 @@ class Server:
             *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
         ]
+        if self.durable is not None:     # kept jobs: GET/DELETE /v1/jobs/... (serve/durable, docs/jobs.md)
+            from .durable.routes import routes as kept_routes
+            routes += kept_routes(self)
 
         async def http_error(request, exc):
             render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response
             return render(errors.routing_failure(exc.status_code, exc.detail or "not found"))
 
+        async def startup():
+            if self.durable is not None:
+                await self.durable.start()
+
         async def shutdown():
+            if self.durable is not None:
+                await self.durable.aclose()
             await self.batcher.aclose()
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_shutdown=[shutdown]) \
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_startup=[startup],
+                         on_shutdown=[shutdown]) \
             if _takes_on_shutdown() else Starlette(routes=routes, exception_handlers={HTTPException: http_error},
-                                                    lifespan=_lifespan(shutdown))
+                                                    lifespan=_lifespan(shutdown, startup))
 
     def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
             allow_non_loopback: bool = False, **uvicorn_kwargs) -> None:
@@ -256,6 +266,15 @@ class Server:
                              "(and then put TLS and real authentication in front)")
         import uvicorn
         uvicorn.run(self.app, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
+
+    durable = None    # the kept-jobs service (serve/durable), when jobs are kept (--state-dir / --database)
+
+    async def submit_kept(self, request, obj, fields):
+        """A ``wait: false`` submission of ``/v1/jobs`` or ``/v1/sessions``: kept, answered 202 (docs/jobs.md)."""
+        if self.durable is None:
+            raise RequestFailed("request", "this server keeps no jobs: start it with --state-dir DIR (or --database "
+                                           "URL) to submit with wait=false")
+        return await self.durable.submit(request, obj, fields)
 
     # ------------------------------------------------------------------ endpoint plumbing
     def _check_key(self, request):
@@ -785,9 +804,11 @@ def _takes_on_shutdown():
     return "on_shutdown" in inspect.signature(Starlette.__init__).parameters
 
 
-def _lifespan(shutdown):
+def _lifespan(shutdown, startup=None):
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if startup is not None:
+            await startup()
         yield
         await shutdown()
     return lifespan

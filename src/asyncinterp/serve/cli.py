@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 
+from .durable.options import add_arguments as add_kept_job_arguments, attach as attach_kept_jobs
 from .startup import load_interventions, setup_logging  # noqa: F401 (their home was here)
 
 
@@ -112,6 +113,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(default): process with --allow-code, else thread")
     p.add_argument("--hang-timeout", type=float, default=5.0,
                    help="with process isolation: seconds without a heartbeat before a worker is killed (default 5)")
+    add_kept_job_arguments(p)     # --state-dir, --database, --admin-key, --job-*, --quota-* (serve/durable)
     p.add_argument("--worker-memory-mb", type=int, default=4096,
                    help="with process isolation: MiB a worker may grow beyond its size at start (default 4096; "
                         "0: no limit)")
@@ -274,6 +276,7 @@ def make_server(args, model, keys, log):
         load_interventions(server, path)
     from .model_names import install_from_options
     install_from_options(server, args.edit, args.lora_modules)   # after the interventions edits may name
+    attach_kept_jobs(server, args)     # --state-dir / --database: jobs kept in a store (serve/durable)
     if server.supervised:   # fork the workers now: after the interventions are registered, before any request
         server.batcher.start()
     if not keys:

@@ -52,6 +52,8 @@ KINDS = {
     "auth": Kind(401, "Unauthorized", (("WWW-Authenticate", "Bearer"),)),
     "not_found": Kind(404, "NotFound"),            # unknown route or model (405 for a wrong method)
     "too_large": Kind(413, "PayloadTooLarge"),
+    "not_finished": Kind(409, "JobNotFinished"),    # a kept job's result asked for before it ended (serve/durable)
+    "quota": Kind(429, "QuotaExceeded"),           # a key's job quota (serve/durable/quotas.py), with Retry-After
     "intervention": Kind(422),                     # the intervention raised, or its result cannot be encoded
     "client_disconnect": Kind(499, "Cancelled"),   # logged only: nobody is left to read the answer
     "internal": Kind(500, "InternalError"),
