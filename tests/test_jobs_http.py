@@ -228,3 +228,28 @@ def test_list_is_paged_and_results_can_be_deleted(server):
     jobs[0].delete()
     with pytest.raises(Exception, match="no job"):
         jobs[0].status()
+
+
+def test_jobs_command_line(server):
+    job = lm(server, B).trace("The Eiffel Tower is in", last, blocking=False)
+
+    def cli(*args, key=B):
+        out = subprocess.run([sys.executable, "-m", "asyncinterp.cli", "jobs", *args, "--api-key", key],
+                             capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT / "src"),
+                                                                               "PATH": "/usr/bin:/bin"})
+        return out.returncode, out.stdout, out.stderr
+
+    code, out, _ = cli("result", server.url, job.id, "--wait", "60")
+    assert code == 0 and "tensor(" in out
+    code, out, _ = cli("status", server.url, job.id)
+    assert code == 0 and json.loads(out)["state"] == "succeeded"
+    code, out, _ = cli("list", server.url)
+    assert code == 0 and job.id in out and "succeeded" in out
+    code, _, err = cli("status", server.url, job.id, key=A)           # another key: no such job
+    assert code == 1 and "HTTP 404" in err and "NotFound" in err
+    code, out, _ = cli("status", server.url, job.id, "--follow")
+    assert code == 0 and json.loads(out.splitlines()[-1])["state"] == "succeeded"
+    code, out, _ = cli("cancel", server.url, job.id)
+    assert code == 0 and out.strip() == "deleted"
+    code, _, err = cli("result", server.url, job.id)
+    assert code == 1 and "HTTP 404" in err
