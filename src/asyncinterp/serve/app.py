@@ -62,8 +62,7 @@ from starlette.routing import Route
 from .. import aio
 from . import capabilities, choices, confine, errors, jobs_api, model_names, openai_compat, receipts, sessions
 from . import edit_registry, structured, tokenize_api, wire
-from .durable import batches, files
-from .durable.state import Durable
+from .batches import api as batch_api, files as batch_files
 from . import logprobs as logprob_fields
 from .batcher import Batcher, BatcherFull
 from .engine_front import front_for
@@ -156,13 +155,11 @@ class Server:
                  max_wait_ms: float = 5.0, max_queue: int = 256, timeout: float = 30.0, code_budget: float = 1.0,
                  max_body_bytes: int = 1 << 20, max_new_tokens: int = 256, max_prompt_tokens: int | None = None,
                  exact: bool = False, name: str | None = None, builtin_interventions: bool = True,
-                 batcher: Batcher | None = None, isolation="thread", prompt_tokens_details: bool = False,
-                 state_dir: str | None = None, admin_keys=None):
+                 batcher: Batcher | None = None, isolation="thread", prompt_tokens_details: bool = False):
         self.model = model
         self.prompt_tokens_details = bool(prompt_tokens_details)
         self.name = name or type(getattr(model, "module", model)).__name__
-        self.admin_keys = [k.encode() for k in (admin_keys or []) if k]     # may register edits (edit_registry)
-        self.api_keys = [k.encode() for k in (api_keys or []) if k] + self.admin_keys
+        self.api_keys = [k.encode() for k in (api_keys or []) if k]
         self.allow_code = allow_code
         self.timeout = float(timeout)
         self.code_budget = float(code_budget)
@@ -190,7 +187,6 @@ class Server:
         self.programs = ProgramCache()
         self.confinement = confine.at_start(self)     # whether submitted code runs confined (said at start)
         self._app = None
-        self.durable = Durable(self, state_dir)      # files, batches, runtime edits (serve/durable)
         self.started = int(time.time())
         if builtin_interventions and self.is_lm:
             from .builtins import register_builtins
@@ -240,24 +236,32 @@ class Server:
             *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
             *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
-            *files.routes(self), *batches.routes(self), *edit_registry.routes(self),   # OpenAI's batches; edits
+            *batch_files.routes(self), *batch_api.routes(self),   # OpenAI's files and batches (kept jobs)
+            *edit_registry.routes(self),                          # edits registered at run time
         ]
+        if self.durable is not None:     # kept jobs: GET/DELETE /v1/jobs/... (serve/durable, docs/jobs.md)
+            from .durable.routes import routes as kept_routes
+            routes += kept_routes(self)
 
         async def http_error(request, exc):
             render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response
             return render(errors.routing_failure(exc.status_code, exc.detail or "not found"))
 
         async def startup():
-            self.durable.start(at_startup=True)     # unfinished batches resume, stored edits are installed
+            if self.durable is not None:
+                await self.durable.start()
+                await edit_registry.load(self)    # the edits registered at run time before a restart
 
         async def shutdown():
-            await self.durable.close()
+            if self.durable is not None:
+                await edit_registry.close(self)
+                await self.durable.aclose()
             await self.batcher.aclose()
 
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_startup=[startup],
                          on_shutdown=[shutdown]) \
             if _takes_on_shutdown() else Starlette(routes=routes, exception_handlers={HTTPException: http_error},
-                                                    lifespan=_lifespan(startup, shutdown))
+                                                    lifespan=_lifespan(shutdown, startup))
 
     def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
             allow_non_loopback: bool = False, **uvicorn_kwargs) -> None:
@@ -267,6 +271,15 @@ class Server:
                              "(and then put TLS and real authentication in front)")
         import uvicorn
         uvicorn.run(self.app, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
+
+    durable = None    # the kept-jobs service (serve/durable), when jobs are kept (--state-dir / --database)
+
+    async def submit_kept(self, request, obj, fields):
+        """A ``wait: false`` submission of ``/v1/jobs`` or ``/v1/sessions``: kept, answered 202 (docs/jobs.md)."""
+        if self.durable is None:
+            raise RequestFailed("request", "this server keeps no jobs: start it with --state-dir DIR (or --database "
+                                           "URL) to submit with wait=false")
+        return await self.durable.submit(request, obj, fields)
 
     # ------------------------------------------------------------------ endpoint plumbing
     def _check_key(self, request):
@@ -774,7 +787,7 @@ class Server:
     # the plumbing that endpoint modules registered beside these (jobs_api) share, by public names
     read_body, decode_body, check_fields, request_timeout = _read_body, _decode, _fields, _timeout
     check_input, check_new_tokens, guarded, respond, stream_events = _input, _check_new_tokens, _guarded, _respond, _stream
-    openai_work = _openai       # a batch line is answered as its synchronous request (durable.batch_runner)
+    openai_work = _openai       # a batch line is answered as its synchronous request (batches.runner)
 
 
 def _msgpack_event(ev, receipt=None) -> bytes:
@@ -797,10 +810,11 @@ def _takes_on_shutdown():
     return "on_shutdown" in inspect.signature(Starlette.__init__).parameters
 
 
-def _lifespan(startup, shutdown):
+def _lifespan(shutdown, startup=None):
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await startup()
+        if startup is not None:
+            await startup()
         yield
         await shutdown()
     return lifespan

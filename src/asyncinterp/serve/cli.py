@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 
+from .durable.options import add_arguments as add_kept_job_arguments, attach as attach_kept_jobs
 from .startup import load_interventions, setup_logging  # noqa: F401 (their home was here)
 
 
@@ -70,12 +71,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accepted API key (repeatable); also $ASYNCINTERP_API_KEYS (comma separated)")
-    p.add_argument("--admin-key", action="append", default=[], metavar="KEY",
-                   help="an API key that may also register and remove named edits at run time (POST/DELETE "
-                        "/v1/edits; repeatable); also $ASYNCINTERP_ADMIN_KEYS (comma separated)")
-    p.add_argument("--state-dir", default=None, metavar="DIR",
-                   help="where files, batches and runtime edits are kept, across restarts (default: a temporary "
-                        "directory, removed at exit)")
     p.add_argument("--allow-code", action="store_true",
                    help="accept client-submitted `async def` source (restricted sandbox; trusted users only)")
     p.add_argument("--interventions", metavar="FILE", action="append", default=[],
@@ -118,6 +113,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(default): process with --allow-code, else thread")
     p.add_argument("--hang-timeout", type=float, default=5.0,
                    help="with process isolation: seconds without a heartbeat before a worker is killed (default 5)")
+    add_kept_job_arguments(p)     # --state-dir, --database, --admin-key, --job-*, --quota-* (serve/durable)
     p.add_argument("--worker-memory-mb", type=int, default=4096,
                    help="with process isolation: MiB a worker may grow beyond its size at start (default 4096; "
                         "0: no limit)")
@@ -249,12 +245,6 @@ def api_keys(args) -> list:
                                  if k.strip()]
 
 
-def admin_keys(args) -> list:
-    """The admin keys: ``--admin-key`` and ``$ASYNCINTERP_ADMIN_KEYS`` (comma separated)."""
-    return list(getattr(args, "admin_key", None) or []) + [
-        k.strip() for k in os.environ.get("ASYNCINTERP_ADMIN_KEYS", "").split(",") if k.strip()]
-
-
 def _serve(args, model, keys, log) -> int:
     server = make_server(args, model, keys, log)
     import uvicorn
@@ -281,14 +271,12 @@ def make_server(args, model, keys, log):
                     code_budget=args.code_budget, max_body_bytes=args.max_body_bytes,
                     max_new_tokens=args.max_new_tokens, exact=args.exact,
                     name=args.served_model_name or args.model, builtin_interventions=not args.no_builtins,
-                    isolation=isolation, prompt_tokens_details=args.enable_prompt_tokens_details,
-                    state_dir=args.state_dir, admin_keys=admin_keys(args))
+                    isolation=isolation, prompt_tokens_details=args.enable_prompt_tokens_details)
     for path in args.interventions:
         load_interventions(server, path)
     from .model_names import install_from_options
     install_from_options(server, args.edit, args.lora_modules)   # after the interventions edits may name
-    if args.state_dir:
-        server.durable.edits.load()      # the edits registered at run time before a restart (before workers start)
+    attach_kept_jobs(server, args)     # --state-dir / --database: jobs kept in a store (serve/durable)
     if server.supervised:   # fork the workers now: after the interventions are registered, before any request
         server.batcher.start()
     if not keys:

@@ -72,6 +72,8 @@ def model_versions() -> dict:
 async def _jobs(server, request):
     async def work(fields):
         obj = server.decode_body(await server.read_body(request))
+        if obj.pop("wait", True) is False:   # kept in the store, answered 202 with its id (serve/durable)
+            return await server.submit_kept(request, obj, fields)
         server.check_fields(obj, _FIELDS)
         _check_versions(obj)
         data = obj.get("job")
@@ -374,3 +376,7 @@ def _event(kind, ev) -> bytes:
         except wire.WireError:
             return wire.packb({**body, "results": _outcomes(kind, ev["result"])})
     return wire.packb(ev)
+
+
+# what a job kept in the store runs through (serve/durable): the same loading, checks and answers
+load_job, checked_job, outcomes_of, check_versions = _load, _checked, _outcomes, _check_versions

@@ -4,7 +4,7 @@ Why this module exists: the stock ``openai`` client runs a batch by
 uploading its requests as a JSON-lines file (``files.create(file=...,
 purpose="batch")``, multipart as OpenAI's), naming the file in
 ``batches.create``, and downloading the answers with ``files.content``.
-Files are kept under the state directory (:mod:`.records`), belong to the
+Files are kept in the kept-jobs database (:mod:`.tables`), belong to the
 API key that uploaded them (another key gets 404), and are returned byte
 for byte. A batch's output and error files are files of its owner too
 (purpose ``batch_output``).
@@ -17,6 +17,7 @@ line asks for is checked when a batch uses the file (:mod:`.batch_lines`).
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 from starlette.responses import JSONResponse, Response
@@ -24,14 +25,18 @@ from starlette.routing import Route
 
 from ... import aio
 from ..errors import RequestFailed
-from .access import caller, not_found, openai_error
-from .records import new_id
+from .access import caller, not_found, openai_error, tables
 
-__all__ = ["MAX_FILE_BYTES", "MAX_LINES", "Files", "routes"]
+__all__ = ["MAX_FILE_BYTES", "MAX_LINES", "create", "get", "new_id", "read", "routes"]
 
 MAX_FILE_BYTES = 200 << 20       # OpenAI's limit for a batch input file
 MAX_LINES = 50_000               # requests in one batch (OpenAI's)
 PURPOSES = ("batch",)            # what may be uploaded; batch_output files are made by batches
+
+
+def new_id(prefix: str) -> str:
+    """An unguessable id (128 random bits), such as ``file-3f2a...`` or ``batch_9c1e...``."""
+    return prefix + secrets.token_hex(16)
 
 
 def _bad(message, param=None):
@@ -63,44 +68,29 @@ def check_jsonl(data: bytes) -> int:
     return n
 
 
-class Files:
-    """The files of one server (records and bytes under ``store``, a :class:`~.records.Records`)."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def create(self, owner: str, filename: str, purpose: str, data: bytes, fid: str | None = None) -> dict:
-        fid = fid or new_id("file-")
-        self.store.put_blob(fid, data)
-        record = {"id": fid, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-                  "expires_at": None, "filename": filename, "purpose": purpose, "status": "processed",
-                  "status_details": None, "owner": owner}
-        self.store.put(fid, record)       # the bytes first: a record never names missing bytes
-        return record
-
-    def get(self, owner: str, fid) -> dict:
-        record = self.store.get(fid) if isinstance(fid, str) else None
-        if record is None or record["owner"] != owner:
-            raise not_found("file", fid)
-        return record
-
-    def read(self, owner: str, fid) -> bytes:
-        record = self.get(owner, fid)
-        with open(self.store.blob_path(record["id"]), "rb") as f:
-            return f.read()
-
-    def delete(self, owner: str, fid) -> dict:
-        record = self.get(owner, fid)
-        self.store.delete(record["id"], ".data")
-        return {"id": record["id"], "object": "file", "deleted": True}
-
-    def listed(self, owner: str, purpose=None) -> list:
-        return [r for r in self.store.all() if r["owner"] == owner and (purpose is None or r["purpose"] == purpose)]
+async def create(tables, owner: str, filename: str, purpose: str, data: bytes, fid: str | None = None) -> dict:
+    """Keep a file of ``owner``; its record as OpenAI shows it."""
+    record = {"id": fid or new_id("file-"), "object": "file", "bytes": len(data), "created_at": int(time.time()),
+              "expires_at": None, "filename": filename, "purpose": purpose, "status": "processed",
+              "status_details": None}
+    await tables.put_file(dict(record, owner=owner), data)
+    return record
 
 
-def public(record: dict) -> dict:
-    """A file record as OpenAI shows it (the owner stays on the server)."""
-    return {k: v for k, v in record.items() if k != "owner"}
+async def get(tables, owner: str, fid) -> dict:
+    row = await tables.file(fid, owner) if isinstance(fid, str) else None
+    if row is None:
+        raise not_found("file", fid)
+    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": int(row["created_at"]),
+            "expires_at": None, "filename": row["filename"], "purpose": row["purpose"], "status": "processed",
+            "status_details": None}
+
+
+async def read(tables, owner: str, fid) -> bytes:
+    data = await tables.file_data(fid, owner) if isinstance(fid, str) else None
+    if data is None:
+        raise not_found("file", fid)
+    return bytes(data)
 
 
 def page(records: list, params, default_limit=20, max_limit=10_000) -> dict:
@@ -129,7 +119,7 @@ def routes(server) -> list:
     def route(path, fn, method):
         async def endpoint(request):
             async def work(fields):
-                return await fn(server, request, caller(server, request))
+                return await fn(server, request, tables(server), caller(server, request))
             return await server.guarded(request, f"files.{fn.__name__.strip('_')}", work, openai_error)
         return Route(path, endpoint, methods=[method])
     return [route("/v1/files", _upload, "POST"), route("/v1/files", _list, "GET"),
@@ -137,7 +127,7 @@ def routes(server) -> list:
             route("/v1/files/{file_id}/content", _content, "GET")]
 
 
-async def _upload(server, request, owner):
+async def _upload(server, request, db, owner):
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_FILE_BYTES + (1 << 16):
         raise RequestFailed("too_large", f"a file may hold at most {MAX_FILE_BYTES} bytes")
@@ -160,29 +150,26 @@ async def _upload(server, request, owner):
         raise _bad(f"cannot read the multipart form ({type(exc).__name__}: {exc})") from None
     if len(data) > MAX_FILE_BYTES:
         raise RequestFailed("too_large", f"a file may hold at most {MAX_FILE_BYTES} bytes")
-    check_jsonl(data)
-    record = await aio.to_thread(_files(server).create, owner, filename, purpose, data)   # fsync off the loop
-    return JSONResponse(public(record))
+    await aio.to_thread(check_jsonl, data)
+    return JSONResponse(await create(db, owner, filename, purpose, data))
 
 
-def _files(server):
-    return server.durable.files
-
-
-async def _list(server, request, owner):
+async def _list(server, request, db, owner):
     purpose = request.query_params.get("purpose")
-    return JSONResponse(page([public(r) for r in _files(server).listed(owner, purpose)], request.query_params))
+    listed = [await get(db, owner, r["id"]) for r in await db.list_files(owner, purpose)]
+    return JSONResponse(page(listed, request.query_params))
 
 
-async def _retrieve(server, request, owner):
-    return JSONResponse(public(_files(server).get(owner, request.path_params["file_id"])))
+async def _retrieve(server, request, db, owner):
+    return JSONResponse(await get(db, owner, request.path_params["file_id"]))
 
 
-async def _delete(server, request, owner):
-    return JSONResponse(_files(server).delete(owner, request.path_params["file_id"]))
-
-
-async def _content(server, request, owner):
+async def _delete(server, request, db, owner):
     fid = request.path_params["file_id"]
-    data = _files(server).read(owner, fid)
-    return Response(data, media_type="application/octet-stream")
+    if not isinstance(fid, str) or not await db.delete_file(fid, owner):
+        raise not_found("file", fid)
+    return JSONResponse({"id": fid, "object": "file", "deleted": True})
+
+
+async def _content(server, request, db, owner):
+    return Response(await read(db, owner, request.path_params["file_id"]), media_type="application/octet-stream")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .records import new_id
+from .files import new_id
 
 __all__ = ["ENDPOINTS", "Line", "answer_line", "parse_lines", "skipped_line"]
 
