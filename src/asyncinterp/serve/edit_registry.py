@@ -9,8 +9,9 @@ time, in any form ``--edit`` takes (JSON body)::
     {"name": "calm", "source": "async def calm(m): ...", "function": "calm"}    # the file's text, sent
     {"name": "calm", "intervention": "steer", "params": {...}}                   # the same, as JSON
 
-and it is usable at once by model name (``MODEL:calm``), through every
-endpoint that takes one. An edit is versioned by its content hash (the
+and, once it has run on a one-token trial (an edit that fails is refused
+with its error), it is usable at once by model name (``MODEL:calm``),
+through every endpoint that takes one. An edit is versioned by its content hash (the
 file's source and the function's name, or the intervention's source and its
 parameters; :mod:`.model_names`). Posting a name again replaces its edit:
 the hash changes, and with it the prefix-cache scope of requests under it
@@ -47,6 +48,7 @@ from .errors import RequestFailed
 
 log = logging.getLogger("asyncinterp.serve")
 SYNC_S = 2.0      # how often a server brings its runtime edits in step with the store
+TRIAL_PROMPT = "Hello"   # what a newly registered edit is tried on before it is served
 
 __all__ = ["EditRegistry", "routes"]
 
@@ -95,6 +97,17 @@ class EditRegistry:
         self.runtime[record["name"]] = edit.digest
         return edit
 
+    async def trial(self, edit) -> None:
+        """Run ``edit`` once (one new token of a one-word prompt): an edit that fails is refused now (400, with
+        its error), not on every request that names it."""
+        if not self.server.is_lm:
+            return
+        try:
+            await self.server.batcher.generate(TRIAL_PROMPT, edit.fn, max_new_tokens=1, timeout=self.server.timeout)
+        except Exception as exc:  # noqa: BLE001 - the edit's own failure, reported to whoever registered it
+            raise _bad(f"edit {edit.name!r} failed on a trial run ({TRIAL_PROMPT!r}, one token): "
+                       f"{type(exc).__name__}: {exc}") from None
+
     def retire(self, name: str) -> None:
         self.server.names.edits.pop(name, None)
         self.runtime.pop(name, None)
@@ -135,6 +148,14 @@ class EditRegistry:
             edit = self.install(record)
         except (ValueError, FileNotFoundError, SyntaxError, TypeError, ImportError) as exc:
             raise _bad(f"edit {name!r}: {type(exc).__name__}: {exc}") from None
+        try:
+            await self.trial(edit)
+        except BaseException:
+            self.retire(name)
+            if old is not None:
+                self.server.names.edits[name] = old
+                self.runtime[name] = old.digest
+            raise
         same = previous is not None and previous["hash"] == edit.digest
         record.update(hash=edit.digest, created_at=time.time(),
                       version=(previous or {}).get("version", 0) + (0 if same else 1))
