@@ -106,7 +106,9 @@ def test_a_patching_sweep_as_one_session_equals_the_local_run_and_shares_batches
     async def go():
         async with AsyncClient(live.url, api_key=KEY, timeout=60) as c:
             return await asyncio.gather(c.session(sweep), c.session(sweep))
-    a, b = asyncio.run(asyncio.wait_for(go(), 120))
+    # both sessions are on their way for the whole sweep: each batch waits (max_wait_ms) for the other's trace
+    with live.server.batcher.arrivals.expect(2):
+        a, b = asyncio.run(asyncio.wait_for(go(), 120))
     assert torch.equal(a, local) and torch.equal(b, local)
     after = live.server.batcher.stats
     # 8 traces in 4 forward passes: each trace of one session shared its batch with the other session's

@@ -94,6 +94,7 @@ def _openai_error_response(fail: RequestFailed):
                         errors.openai_headers(fail.status, fail.headers))
 
 
+_MODEL_WORK = frozenset({"trace", "generate", "completions", "chat.completions", "job", "session"})
 _OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
                  "/metrics")
 
@@ -414,9 +415,14 @@ class Server:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         fields = {"event": kind, "request_id": rid[:64], "path": request.url.path,
                   "client": request.client.host if request.client else None}
+        arrivals = getattr(self.batcher, "arrivals", None) if kind in _MODEL_WORK else None
         try:
             self._check_key(request)
-            response = await work(fields)
+            if arrivals is None:
+                response = await work(fields)
+            else:
+                with arrivals.expect():   # a batch that starts meanwhile may wait for this request (max_wait_ms)
+                    response = await work(fields)
             status = response.status_code
         except RequestFailed as fail:
             status = fail.status

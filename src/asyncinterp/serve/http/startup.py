@@ -92,7 +92,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "or under named edits (MODEL is then given before this option)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests per forward pass (default 32)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
-                   help="how long a request waits for others to share its forward (default 5 ms)")
+                   help="the most a batch waits for requests already on their way to share its forward (default 5 ms); "
+                        "a request on an idle engine starts at once, and those that come while a forward runs "
+                        "join the next one")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503 (default 256)")
     p.add_argument("--timeout", type=float, default=30.0, help="per-request time limit in seconds (default 30)")
     p.add_argument("--code-budget", type=float, default=1.0,

@@ -5,8 +5,12 @@
     async def handler(prompt, strength):
         return await batcher.trace(prompt, functools.partial(steer, strength=strength))
 
-Requests that arrive within ``max_wait_ms`` of the first waiting one (up to
-``max_batch`` of them) become the invokes of one run with
+A request that reaches an idle engine starts at once; requests that arrive
+while a forward runs join the next one (up to ``max_batch`` of them), as
+continuous batching does. A batch waits for company (at most ``max_wait_ms``
+after its first request) only while other requests are known to be on their
+way: received by the server but not yet submitted (:mod:`.arrivals`). The
+requests of one batch become the invokes of one run with
 ``on_error="continue"``: each request's intervention sees only its own rows,
 and its failure fails only its own request. A dedicated worker thread runs
 the batches one after another, so the event loop (asyncio or trio, any
@@ -48,6 +52,7 @@ from ...kernel.errors import RunCancelled
 from ...job import Trace
 from ...kernel.scheduler import current_run
 from ...models.generating import SEEDS, check_stop, eos_ids, stop_hit
+from .arrivals import Arrivals, submitted
 from .requests import REQUESTS, BatcherClosed, BatcherFull, GenerateResult, Ledger, Meter, Request, emit  # noqa: F401
 
 log = logging.getLogger("asyncinterp.serve")
@@ -102,9 +107,10 @@ def _freeze(obj):
 class Batcher(aio.Closable):
     """Coalesce concurrent ``trace``/``generate`` requests into shared runs of ``model``.
 
-    ``max_batch``: most requests in one run. ``max_wait_ms``: how long the
-    first waiting request waits for company (0: run whatever is waiting as
-    soon as the model is free). ``max_queue``: waiting requests beyond this
+    ``max_batch``: most requests in one run. ``max_wait_ms``: the most a
+    batch waits for requests that are on their way (:attr:`arrivals`: counted
+    by the server between a request's arrival and its submission); with
+    nothing on its way a batch starts at once (0: never wait). ``max_queue``: waiting requests beyond this
     raise :class:`BatcherFull`. ``timeout``: default per-request limit in
     seconds (``None``: none). ``exact``: only coalesce language-model prompts
     of equal token length (no padding), for results bit-equal to solo runs
@@ -133,6 +139,7 @@ class Batcher(aio.Closable):
         self.name = name
         self._pending = collections.deque()
         self._cond = threading.Condition()
+        self.arrivals = Arrivals(self._cond)   # requests on their way: the only reason a batch waits
         self._closed = False
         self._thread = None
         self._current = None
@@ -280,6 +287,7 @@ class Batcher(aio.Closable):
         return _shape_key(input)
 
     def _submit(self, req):
+        submitted()
         if self._live:
             return self._start_live(req)
         with self._cond:
@@ -400,7 +408,7 @@ class Batcher(aio.Closable):
                 cond.wait()
             first = self._pending[0]
             deadline = first.arrival + self.max_wait
-            while True:
+            while self.arrivals.count > 0:   # wait only for company that is on its way
                 n = sum(r.size for r in self._pending if r.key == first.key and r.state == "queued")
                 now = time.monotonic()
                 if n >= self.max_batch or now >= deadline or self._closed:
