@@ -34,9 +34,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from asyncinterp.serve import remote as _remote  # noqa: E402
-from asyncinterp.serve import wire  # noqa: E402
-from asyncinterp.serve.job_form import dumps_job  # noqa: E402
+from asyncinterp.client import remote as _remote  # noqa: E402
+from asyncinterp.client import wire  # noqa: E402
+from asyncinterp.client.job_form import dumps_job  # noqa: E402
 from jobs_helpers import JobServer  # noqa: E402
 from pg_helpers import PostgresServer  # noqa: E402
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.serve.wire import RemoteError
+from asyncinterp.client.wire import RemoteError
 from jobs_helpers import JobServer
 
 pytestmark = pytest.mark.slow

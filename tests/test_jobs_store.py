@@ -1,4 +1,4 @@
-"""The job store (serve/durable/store.py) on SQLite and on a throwaway PostgreSQL: migrations, ownership,
+"""The job store (serve/jobs/durable/store.py) on SQLite and on a throwaway PostgreSQL: migrations, ownership,
 claims as compare-and-set (two servers, one winner), leases that expire and restarts that are recorded,
 results written once (tensors bit-exact through JSON + safetensors), cancel, delete, expiry, quotas' counts."""
 
@@ -8,8 +8,8 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from asyncinterp.serve.durable import migrations
-from asyncinterp.serve.durable.store import JobStore, NewJob, owner_of
+from asyncinterp.serve.jobs.durable import migrations
+from asyncinterp.serve.jobs.durable.store import JobStore, NewJob, owner_of
 from pg_helpers import PostgresServer
 
 A, B = owner_of("key-a"), owner_of("key-b")
