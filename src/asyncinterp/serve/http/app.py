@@ -215,8 +215,7 @@ class Server:
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
         ]
         if self.durable is not None:     # kept jobs: GET/DELETE /v1/jobs/... (serve/jobs/durable, docs/jobs.md)
-            from ..jobs.durable.routes import routes as kept_routes
-            routes += kept_routes(self)
+            routes += self.durable.routes()
 
         async def http_error(request, exc):
             render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response
@@ -246,13 +245,6 @@ class Server:
         uvicorn.run(self.app, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
 
     durable = None    # the kept-jobs service (serve/jobs/durable), when jobs are kept (--state-dir / --database)
-
-    async def submit_kept(self, request, obj, fields):
-        """A ``wait: false`` submission of ``/v1/jobs`` or ``/v1/sessions``: kept, answered 202 (docs/jobs.md)."""
-        if self.durable is None:
-            raise RequestFailed("request", "this server keeps no jobs: start it with --state-dir DIR (or --database "
-                                           "URL) to submit with wait=false")
-        return await self.durable.submit(request, obj, fields)
 
     # ------------------------------------------------------------------ endpoint plumbing
     def _check_key(self, request):

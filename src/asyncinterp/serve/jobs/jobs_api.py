@@ -43,6 +43,7 @@ from ...client.cache_wire import recorded_of
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
 from .job_wire import loads_job
+from .durable.hook import submit_kept
 from ...client.protocol import incompatible, versions
 from ..scheduling.requests import Meter
 from ..sandbox.rebuild import DescriptionRefused, DescriptionTooLarge
@@ -74,7 +75,7 @@ async def _jobs(server, request):
     async def work(fields):
         obj = server.decode_body(await server.read_body(request))
         if obj.pop("wait", True) is False:   # kept in the store, answered 202 with its id (serve/jobs/durable)
-            return await server.submit_kept(request, obj, fields)
+            return await submit_kept(server, request, obj, fields)
         server.check_fields(obj, _FIELDS)
         _check_versions(obj)
         data = obj.get("job")

@@ -71,6 +71,11 @@ class Durable:
         self.store = None
         self.runner = None
 
+    def routes(self) -> list:
+        """The app's routes of kept jobs (:mod:`.routes`)."""
+        from .routes import routes
+        return routes(self.server)
+
     async def start(self) -> None:
         self.store = await JobStore.open(self.config.database, self.config.state_dir)
         self.runner = Runner(self.server, self.store, lease=self.config.lease, concurrency=self.config.concurrency,

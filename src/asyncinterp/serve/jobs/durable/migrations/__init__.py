@@ -2,8 +2,8 @@
 
 Why programmatic: a server upgrades its own store when it opens it (``asyncinterp serve --state-dir``),
 with nothing for the user to run; replicas that start together race harmlessly (the loser retries and
-finds the schema at head). A new table or column is a new file in ``versions/`` whose ``down_revision``
-is the current head.
+finds the schema at head). A new table or column is a new file in ``scripts/versions/`` whose
+``down_revision`` is the current head.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pathlib
 from alembic import command
 from alembic.config import Config
 
-HERE = pathlib.Path(__file__).resolve().parent
+# Alembic's scripts (env.py, versions/): files Alembic runs, not modules of the package (no __init__.py)
+HERE = pathlib.Path(__file__).resolve().parent / "scripts"
 
 
 def config(connection) -> Config:
