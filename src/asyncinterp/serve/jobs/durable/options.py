@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--job-lease", type=float, default=15.0, metavar="S",
                    help="seconds a server holds a running job without renewing its lease; a job whose server "
                         "died runs again after it (default 15)")
+    g.add_argument("--job-max-attempts", type=int, default=3, metavar="N",
+                   help="runs a job may start: one whose server died N times while running it fails instead of "
+                        "running again (default 3)")
     g.add_argument("--job-concurrency", type=int, default=8, metavar="N", help="kept jobs run at once (default 8)")
     g.add_argument("--job-ttl", type=float, default=7 * 86400.0, metavar="S",
                    help="seconds a finished job's result is kept (default 7 days)")
@@ -53,7 +56,7 @@ def config_of(args):
     from .quotas import Quotas
     from .service import DurableConfig
     return DurableConfig(state_dir=state_dir, database=database, admin_keys=tuple(_admin_keys(args)),
-                         lease=args.job_lease, concurrency=args.job_concurrency, ttl=args.job_ttl,
+                         lease=args.job_lease, max_attempts=args.job_max_attempts, concurrency=args.job_concurrency, ttl=args.job_ttl,
                          job_timeout=args.job_timeout,
                          quotas=Quotas(queued=args.quota_queued, running=args.quota_running,
                                        compute_seconds_per_hour=args.quota_compute_seconds,

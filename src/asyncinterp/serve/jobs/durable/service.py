@@ -45,6 +45,7 @@ class DurableConfig:
     database: str | None = None
     admin_keys: tuple = ()
     lease: float = 15.0
+    max_attempts: int = 3
     concurrency: int = 8
     ttl: float | None = 7 * 86400.0
     job_timeout: float | None = None          # a kept job's time limit (default: the server's --timeout)
@@ -78,6 +79,7 @@ class Durable:
 
     async def start(self) -> None:
         self.store = await JobStore.open(self.config.database, self.config.state_dir)
+        self.store.ttl, self.store.max_attempts = self.config.ttl, self.config.max_attempts
         self.runner = Runner(self.server, self.store, lease=self.config.lease, concurrency=self.config.concurrency,
                              ttl=self.config.ttl, running_per_owner=self.config.quotas.running)
         self.runner.start()

@@ -34,7 +34,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from . import migrations, results
-from .schema import CANCELLED, FINAL, QUEUED, RUNNING, jobs
+from .schema import CANCELLED, FAILED, FINAL, QUEUED, RUNNING, jobs
 
 __all__ = ["JobStore", "NewJob", "owner_of", "new_id", "database_url"]
 
@@ -82,6 +82,11 @@ class NewJob:
 
 class JobStore:
     """A job store on one database (see the module docs). Open with :meth:`open`, close with :meth:`close`."""
+
+    #: seconds a job cancelled or failed by the store itself is kept (the runner's ``--job-ttl``; None: forever)
+    ttl: float | None = None
+    #: runs a job may start; one whose server died that many times while running it fails (it may be the cause)
+    max_attempts: int = 3
 
     def __init__(self, engine, state_dir, inline_bytes: int = INLINE_BYTES):
         self.engine = engine
@@ -269,15 +274,24 @@ class JobStore:
                                          .where(jobs.c.id == job_id))).first()
             if before is None:
                 return None
-            if before.state == RUNNING and before.cancel_requested:
-                done = await conn.execute(jobs.update().where(jobs.c.id == job_id, claimable).values(
-                    state=CANCELLED, finished_at=now, lease_owner=None, lease_until=None,
-                    compute_seconds=0.0, expires_at=None))
-                return None if done.rowcount != 1 else None
             restarts = list(before.restarts or [])
             if before.state == RUNNING:
                 restarts.append({"at": now, "attempt": before.attempts,
                                  "why": "the server running it stopped (its lease expired); run again from its start"})
+            ended = None
+            if before.state == RUNNING and before.cancel_requested:
+                ended = dict(state=CANCELLED, error=_error("RunCancelled", "the job was cancelled (DELETE /v1/jobs/ID)",
+                                                           "cancelled"), status_code=409)
+            elif before.state == RUNNING and before.attempts >= self.max_attempts:
+                ended = dict(state=FAILED, status_code=500, error=_error(
+                    "JobLost", f"the server running this job stopped {before.attempts} times while running it (it may "
+                               "be what stops them: it is not run again)", "crashed"))
+            if ended is not None:      # it ends here, once (a compare-and-set as every change)
+                await conn.execute(jobs.update().where(jobs.c.id == job_id, jobs.c.attempts == before.attempts,
+                                                       claimable).values(
+                    finished_at=now, lease_owner=None, lease_until=None, restarts=restarts or None,
+                    expires_at=None if self.ttl is None else now + self.ttl, **ended))
+                return None
             done = await conn.execute(jobs.update().where(jobs.c.id == job_id, jobs.c.attempts == before.attempts,
                                                           claimable).values(
                 state=RUNNING, lease_owner=worker, lease_until=now + lease, attempts=before.attempts + 1,
@@ -357,7 +371,9 @@ class JobStore:
         mine = [jobs.c.id == job_id] + ([jobs.c.owner == owner] if owner is not None else [])
         async with self.engine.begin() as conn:
             done = await conn.execute(jobs.update().where(*mine, jobs.c.state == QUEUED).values(
-                state=CANCELLED, finished_at=now, cancel_requested=True))
+                state=CANCELLED, finished_at=now, cancel_requested=True, status_code=409,
+                expires_at=None if self.ttl is None else now + self.ttl,
+                error=_error("RunCancelled", "the job was cancelled before it ran (DELETE /v1/jobs/ID)", "cancelled")))
             if done.rowcount == 1:
                 return CANCELLED
             await conn.execute(jobs.update().where(*mine, jobs.c.state == RUNNING).values(cancel_requested=True))
@@ -391,3 +407,8 @@ class JobStore:
         if row.result_path:
             self._remove(row.result_path + ".safetensors", row.result_path + ".json")
         self._remove(row.request_path)
+
+
+def _error(type_: str, message: str, kind: str) -> dict:
+    """An error map as the server's error table writes them (:mod:`..errors`)."""
+    return {"type": type_, "message": message, "traceback": [], "notes": [], "kind": kind}
