@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.serve.wire import RemoteError
+from asyncinterp.client.wire import RemoteError
 from jobs_helpers import JobServer
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,7 @@ def equal(a, b):
 def test_three_sigkills_lose_nothing_and_answer_once(tmp_path):
     log = tmp_path / "server.log"
     srv = JobServer("--api-key", KEY, "--admin-key", ADMIN, "--allow-code", "--isolation", "thread", "--exact",
-                    "--deterministic", "--job-lease", "2", "--job-concurrency", "8", "--quota-queued", "100000",
+                    "--deterministic", "--job-lease", "2", "--job-max-attempts", "10", "--job-concurrency", "8", "--quota-queued", "100000",
                     "--quota-running", "8", "--log-level", "info", "--timeout", "60",
                     state_dir=tmp_path / "state", log=log)
     srv.start()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.serve import wire
+from asyncinterp.client import wire
 from jobs_helpers import ROOT, JobServer
 
 A, B, C, D, ADMIN = "key-a", "key-b", "key-c", "key-d", "key-admin"
@@ -181,7 +181,7 @@ def test_quotas_answer_429_naming_the_quota(server):
 
 
 def _job_bytes(server):
-    from asyncinterp.serve.job_form import dumps_job
+    from asyncinterp.client.job_form import dumps_job
     run = ai.remote(server.url, api_key=D, check_modules=False).trace()
     run.invoke("The Eiffel Tower is in", last)
     return dumps_job(run.job)

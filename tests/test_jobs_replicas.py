@@ -66,7 +66,7 @@ def test_replica_killed_mid_job_the_other_finishes_it(tmp_path):
         cluster, _ = two_node_cluster()
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "asyncinterp.serve.replicas", "tiny-gpt2", "--api-key", KEY, "--allow-code",
+        cmd = [sys.executable, "-m", "asyncinterp.serve.scale.replicas", "tiny-gpt2", "--api-key", KEY, "--allow-code",
                "--isolation", "thread", "--exact", "--deterministic", "--threads", "1", "--database", pg.url, "--job-lease", "3", "--timeout", "120",
                "--log-level", "warning", "--replicas", "2", "--ray-address", cluster.address, "--port", str(port),
                "--max-replicas-per-node", "1"]

@@ -1,4 +1,4 @@
-"""The job store (serve/durable/store.py) on SQLite and on a throwaway PostgreSQL: migrations, ownership,
+"""The job store (serve/jobs/durable/store.py) on SQLite and on a throwaway PostgreSQL: migrations, ownership,
 claims as compare-and-set (two servers, one winner), leases that expire and restarts that are recorded,
 results written once (tensors bit-exact through JSON + safetensors), cancel, delete, expiry, quotas' counts."""
 
@@ -8,8 +8,8 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from asyncinterp.serve.durable import migrations
-from asyncinterp.serve.durable.store import JobStore, NewJob, owner_of
+from asyncinterp.serve.jobs.durable import migrations
+from asyncinterp.serve.jobs.durable.store import JobStore, NewJob, owner_of
 from pg_helpers import PostgresServer
 
 A, B = owner_of("key-a"), owner_of("key-b")
@@ -126,3 +126,24 @@ def test_cancel_delete_expire_and_usage(store):
     assert [r["id"] for r in page1] == [done, running] and [r["id"] for r in page2] == [queued]
     assert listed_b == [] and expired == 1 and left == [queued]
     assert usage["compute_seconds"] == pytest.approx(2.0 + 2.0) and usage["result_bytes"] > 100
+
+
+def test_a_job_whose_server_keeps_dying_fails_and_cancelled_ones_expire(store):
+    async def go():
+        s = await store()
+        s.max_attempts, s.ttl = 2, 100.0
+        jid = await s.submit(NewJob(A, "trace", b"poison", 30.0), now=0.0)
+        assert len(await s.claim("w1", 1.0, now=1.0)) == 1          # attempt 1: its server dies
+        assert len(await s.claim("w2", 1.0, now=3.0)) == 1          # attempt 2: dies too
+        assert await s.claim("w3", 1.0, now=5.0) == []              # not a third time: it fails
+        row = await s.get(jid, A)
+        gone = await s.submit(NewJob(A, "trace", b"q", 30.0), now=6.0)
+        await s.cancel(gone, A, now=7.0)
+        cancelled = await s.get(gone, A)
+        removed = await s.expire(now=200.0)
+        await s.close()
+        return row, cancelled, removed
+    row, cancelled, removed = run(go())
+    assert row["state"] == "failed" and row["error"]["type"] == "JobLost" and len(row["restarts"]) == 2
+    assert cancelled["error"]["type"] == "RunCancelled" and cancelled["expires_at"] == 107.0
+    assert removed == 2
