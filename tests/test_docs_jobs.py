@@ -1,5 +1,5 @@
 """docs/jobs.md's Python blocks run, in order, against a real ``asyncinterp serve tiny-llama --state-dir``
-server (the page's URL and key replaced by the test server's); its REST table names the routes the server
+server with process isolation (the page's URL and key replaced by the test server's); its REST table names the routes the server
 has."""
 
 import linecache
@@ -14,7 +14,8 @@ from jobs_helpers import JobServer
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = JobServer("--api-key", "secret", "--allow-code", "--isolation", "thread", model="tiny-llama",
+    # process isolation (the default with --allow-code): kept jobs run in the supervised worker processes
+    srv = JobServer("--api-key", "secret", "--allow-code", "--isolation", "process", model="tiny-llama",
                     state_dir=tmp_path_factory.mktemp("state"))
     srv.start()
     yield srv

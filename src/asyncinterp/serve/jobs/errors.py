@@ -56,6 +56,7 @@ KINDS = {
     "too_large": Kind(413, "PayloadTooLarge"),
     "not_finished": Kind(409, "JobNotFinished"),    # a kept job's result asked for before it ended (serve/jobs/durable)
     "quota": Kind(429, "QuotaExceeded"),           # a key's job quota (serve/jobs/durable/quotas.py), with Retry-After
+    "cancelled": Kind(409, "RunCancelled"),        # a kept job cancelled by its owner (DELETE /v1/jobs/ID)
     "intervention": Kind(422),                     # the intervention raised, or its result cannot be encoded
     "client_disconnect": Kind(499, "Cancelled"),   # logged only: nobody is left to read the answer
     "internal": Kind(500, "InternalError"),

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ....client import wire
+from .. import errors
 from ..errors import RequestFailed
 from .schema import FINAL
 from .status import describe
@@ -128,7 +129,7 @@ async def _result(server, request):
         if value is None:
             error = dict(row["error"] or {"type": "JobFailed", "message": "the job ended without a result"})
             error.setdefault("state", row["state"])
-            return Response(wire.packb({"ok": False, "error": error}), row["status_code"] or 500,
+            return Response(wire.packb({"ok": False, "error": error}), row["status_code"] or errors.status_of("internal"),
                             media_type=MSGPACK)
         return Response(wire.packb(value), media_type=MSGPACK)
     return await server.guarded(request, "job_result", work, _msgpack_error)

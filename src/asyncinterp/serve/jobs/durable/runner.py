@@ -135,10 +135,12 @@ class Runner:
                 if run is None:
                     raise errors.RequestFailed("request", f"this server runs no jobs of kind {row['kind']!r}")
                 body = await self.store.request(row)
+                answer = await run(self.server, body, row["timeout"], progress)
                 # as the blocking client would read it (dtype names, numpy as tensors...), or its 422
-                answer = wire.unpackb(packed := wire.packb(answer), wire.answer_limits(len(packed)))
+                packed = wire.packb(answer)
+                answer = wire.unpackb(packed, wire.answer_limits(len(packed)))
                 failed = _first_failure(answer)
-                state, error, status = (SUCCEEDED, None, 200) if failed is None else (FAILED, *failed)
+                state, error, status = (SUCCEEDED, None, None) if failed is None else (FAILED, *failed)
             except asyncio.CancelledError:
                 why = self.stop_reason.get(jid)
                 if why != "cancel":
@@ -147,7 +149,7 @@ class Runner:
                         await self.store.release(jid, self.worker)
                     log.info("job stopped here", extra={"fields": fields})
                     return          # lost or shutting down: another run writes the outcome
-                state, answer, status = CANCELLED, None, 409
+                state, answer, status = CANCELLED, None, errors.status_of("cancelled")
                 error = {"type": "RunCancelled", "message": "the job was cancelled (DELETE /v1/jobs/ID)",
                          "traceback": [], "notes": [], "kind": "cancelled"}
             except _JOB_ERRORS as exc:  # noqa: BLE001 - the job's own failure is its outcome
@@ -175,5 +177,5 @@ def _first_failure(answer):
     """``(error, status)`` of a job whose invokes failed (the first one's), else ``None``."""
     for entry in (answer or {}).get("results") or ():
         if isinstance(entry, dict) and not entry.get("ok", True):
-            return entry.get("error"), entry.get("status") or 422
+            return entry.get("error"), entry.get("status") or errors.status_of("intervention")
     return None

@@ -33,6 +33,7 @@ import time
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from ..errors import status_of
 from . import migrations, results
 from .schema import CANCELLED, FAILED, FINAL, QUEUED, RUNNING, jobs
 
@@ -281,9 +282,9 @@ class JobStore:
             ended = None
             if before.state == RUNNING and before.cancel_requested:
                 ended = dict(state=CANCELLED, error=_error("RunCancelled", "the job was cancelled (DELETE /v1/jobs/ID)",
-                                                           "cancelled"), status_code=409)
+                                                           "cancelled"), status_code=status_of("cancelled"))
             elif before.state == RUNNING and before.attempts >= self.max_attempts:
-                ended = dict(state=FAILED, status_code=500, error=_error(
+                ended = dict(state=FAILED, status_code=status_of("crashed"), error=_error(
                     "JobLost", f"the server running this job stopped {before.attempts} times while running it (it may "
                                "be what stops them: it is not run again)", "crashed"))
             if ended is not None:      # it ends here, once (a compare-and-set as every change)
@@ -371,7 +372,7 @@ class JobStore:
         mine = [jobs.c.id == job_id] + ([jobs.c.owner == owner] if owner is not None else [])
         async with self.engine.begin() as conn:
             done = await conn.execute(jobs.update().where(*mine, jobs.c.state == QUEUED).values(
-                state=CANCELLED, finished_at=now, cancel_requested=True, status_code=409,
+                state=CANCELLED, finished_at=now, cancel_requested=True, status_code=status_of("cancelled"),
                 expires_at=None if self.ttl is None else now + self.ttl,
                 error=_error("RunCancelled", "the job was cancelled before it ran (DELETE /v1/jobs/ID)", "cancelled")))
             if done.rowcount == 1:
