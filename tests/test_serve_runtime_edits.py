@@ -156,8 +156,8 @@ def test_a_running_request_keeps_the_version_it_started_with(server):
     receipts = [c.model_extra["asyncinterp"]["receipt"] for c in chunks if (c.model_extra or {}).get("asyncinterp")]
     assert receipts[-1]["edits"] == [{"name": "slow", "hash": h1}]
     after = client.completions.create(model=f"{MODEL}:slow", prompt=PROMPT, max_tokens=30, temperature=0, logprobs=1)
-    assert after.choices[0].logprobs.token_logprobs != first.choices[0].logprobs.token_logprobs    # the new version
     assert after.model_extra["asyncinterp"]["receipt"]["edits"] == [{"name": "slow", "hash": h2}]
+    assert after.choices[0].logprobs.token_logprobs != first.choices[0].logprobs.token_logprobs    # the new version
     client.close()
 
 

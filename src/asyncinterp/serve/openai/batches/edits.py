@@ -65,6 +65,7 @@ class EditRegistry:
         self.runtime: dict[str, str] = {}        # name -> hash of the runtime edits installed here
         self.sources = {}                        # hash of a file's text -> its path (one file per text)
         self.follower = None                     # the task that follows the store (load)
+        self.lock = asyncio.Lock()               # one change at a time: a request's, or the follower's
 
     # ------------------------------------------------------------------ installing
     def _source_path(self, source: str) -> str:
@@ -114,6 +115,10 @@ class EditRegistry:
 
     async def sync(self) -> None:
         """Make this server's runtime edits those of the store (at start, and now and then: replicas converge)."""
+        async with self.lock:
+            await self._sync()
+
+    async def _sync(self) -> None:
         stored = await tables(self.server, "runtime edits").all_edits()
         for name in [n for n in self.runtime if n not in stored]:
             self.retire(name)
@@ -133,6 +138,10 @@ class EditRegistry:
     # ------------------------------------------------------------------ requests
     async def register(self, obj) -> dict:
         """Register (or replace) the edit ``obj`` describes; the stored record."""
+        async with self.lock:
+            return await self._register(obj)
+
+    async def _register(self, obj) -> dict:
         if self.server.supervised:
             raise _bad("this server runs its model in worker processes (process isolation), which receive their "
                        "edits when they start: register edits at start (--edit), or serve with --isolation thread")
@@ -169,6 +178,10 @@ class EditRegistry:
         return record
 
     async def remove(self, name) -> dict:
+        async with self.lock:
+            return await self._remove(name)
+
+    async def _remove(self, name) -> dict:
         if self.server.supervised:
             raise _bad("this server runs its model in worker processes: its edits change only at a restart")
         if isinstance(name, str) and name in self.server.names.edits and name not in self.runtime:
