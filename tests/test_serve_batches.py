@@ -160,6 +160,17 @@ def test_cancel_keeps_what_was_answered_and_lists_the_rest(client):
     assert client.batches.cancel(b.id).status == "cancelled"         # again: nothing changes
 
 
+def test_a_batch_ends_with_its_kept_job(server, client):
+    f = client.files.create(file=("slow2.jsonl", jsonl(slow_lines(100, "j"))), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    job = b.model_extra["asyncinterp"]["job"]
+    assert client.get(f"/jobs/{job}", cast_to=object)["kind"] == "batch"        # a batch is a kept job
+    wait_batch(client, b.id, until=("in_progress",))
+    client.delete(f"/jobs/{job}", cast_to=object)                                # stopped as a job
+    b = wait_batch(client, b.id)
+    assert b.status == "cancelled" and b.cancelled_at
+
+
 def test_a_batch_past_its_window_expires(client):
     lines = slow_lines(200, "e")
     f = client.files.create(file=("late.jsonl", jsonl(lines)), purpose="batch")

@@ -40,6 +40,9 @@ __all__ = ["cancel", "create", "public", "retrieve", "routes"]
 _WINDOW = re.compile(r"^([1-9][0-9]{0,5})([smh])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600}
 MAX_METADATA = 16            # OpenAI's: 16 pairs, keys up to 64 characters, values up to 512
+STATUSES = ("validating", "in_progress", "finalizing", "expiring", "cancelling", "completed", "failed", "cancelled",
+            "expired")
+ENDED = ("completed", "failed", "cancelled", "expired")
 JOB_SLACK_S = 600.0          # a batch's kept job may outlive its window by this much (writing its files)
 
 
@@ -120,8 +123,25 @@ async def retrieve(server, owner: str | None, bid) -> dict:
         record["request_counts"] = dict(record["request_counts"], completed=ok, failed=failed)
     jid = record["asyncinterp"].get("job")
     row = await service(server).store.get(jid, None) if jid else None
+    if row is not None and row["state"] in ("failed", "cancelled") and record["status"] not in ENDED:
+        record = await _ended_with_its_job(db, record, row)
     record["asyncinterp"]["restarts"] = len((row or {}).get("restarts") or [])
     return public(record)
+
+
+async def _ended_with_its_job(db, record, row) -> dict:
+    """A batch whose kept job ended without finishing it (its runs kept dying: ``JobLost``; the job deleted with
+    ``DELETE /v1/jobs/ID``) ends too: ``failed`` (or ``cancelled``), saying why."""
+    error = row.get("error") or {}
+    now = int(time.time())
+    if row["state"] == "cancelled":
+        changes = {"status": "cancelled", "cancelled_at": now}
+    else:
+        changes = {"status": "failed", "failed_at": now, "errors": {"object": "list", "data": [
+            {"code": "batch_job_failed", "line": None, "param": None,
+             "message": f"the batch's job {row['id']} failed: {error.get('type')}: {error.get('message')}"}]}}
+    changed = await db.update_batch(record["id"], only_if=tuple(s for s in STATUSES if s not in ENDED), **changes)
+    return dict(changed or await db.batch(record["id"]), asyncinterp=record["asyncinterp"])
 
 
 async def cancel(server, owner: str, bid) -> dict:

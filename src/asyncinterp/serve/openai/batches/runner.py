@@ -88,6 +88,18 @@ async def run_batch(server, body: bytes, timeout: float, progress) -> dict:
     an earlier run stopped. Its answer names the batch and its final status."""
     bid = wire.unpackb(body)["batch"]
     db = tables(server)
+    try:
+        return await _run(server, db, bid, progress)
+    except Exception as exc:   # the batch fails with the reason (its kept job fails too, with the error)
+        log.exception("batch failed", extra={"fields": {"event": "batch", "batch": bid}})
+        await db.update_batch(bid, only_if=("validating", "in_progress", "finalizing", "expiring", "cancelling"),
+                              status="failed", failed_at=int(time.time()),
+                              errors={"object": "list", "data": [{"code": "server_error", "line": None, "param": None,
+                                                                  "message": f"{type(exc).__name__}: {exc}"}]})
+        raise
+
+
+async def _run(server, db, bid, progress) -> dict:
     record = await db.batch(bid)
     if record is None:
         raise RequestFailed("not_found", f"the batch {bid!r} no longer exists")
