@@ -2,7 +2,7 @@
 
 Why this module exists: files, batches and runtime edits belong to (or are reserved for) API keys, as
 kept jobs do, and live in the kept-jobs store. The server's kept-jobs service (``server.durable``,
-:mod:`..durable.service`) names a request's owner (a hash of its key, never the key) and its admin keys;
+:mod:`...jobs.durable.service`) names a request's owner (a hash of its key, never the key) and its admin keys;
 this module asks it, refuses clearly on a server that keeps nothing, and answers "not found" for what
 another key owns, so that no answer confirms that someone else's file or batch exists.
 """

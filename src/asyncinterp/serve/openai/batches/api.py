@@ -3,7 +3,7 @@
 Why this module exists: evaluation tools already speak OpenAI's Batch API
 (``client.batches.create(input_file_id=..., endpoint=..., completion_window="24h")``,
 then ``batches.retrieve`` until ``completed``, then ``files.content`` of its
-``output_file_id``). A batch here is a kept job of kind ``batch`` (:mod:`..durable`):
+``output_file_id``). A batch here is a kept job of kind ``batch`` (:mod:`...jobs.durable`):
 accepted means stored, it runs in the background (:mod:`.runner`), survives
 restarts (and, on PostgreSQL, the loss of the replica running it), counts
 against its key's job quotas, and belongs to the API key that created it

@@ -13,7 +13,7 @@ and, once it has run on a one-token trial (an edit that fails is refused
 with its error), it is usable at once by model name (``MODEL:calm``),
 through every endpoint that takes one. An edit is versioned by its content hash (the
 file's source and the function's name, or the intervention's source and its
-parameters; :mod:`.model_names`). Posting a name again replaces its edit:
+parameters; :mod:`..model_names`). Posting a name again replaces its edit:
 the hash changes, and with it the prefix-cache scope of requests under it
 (on vLLM, KV blocks computed under the old version are never reused for the
 new). A request resolves its model name once, when it starts, and keeps

@@ -11,7 +11,7 @@ for byte. A batch's output and error files are files of its owner too
 
 An upload with purpose ``batch`` is checked at once: UTF-8 JSON lines, each
 an object, at most :data:`MAX_LINES` of them (OpenAI's limit); what each
-line asks for is checked when a batch uses the file (:mod:`.batch_lines`).
+line asks for is checked when a batch uses the file (:mod:`.lines`).
 """
 
 from __future__ import annotations

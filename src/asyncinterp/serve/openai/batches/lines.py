@@ -13,7 +13,7 @@ and the output and error files hold one answer per line::
 This module checks the input (every line's shape; a batch whose file has a
 bad line fails validation with OpenAI's ``errors`` list, naming each line)
 and writes the answer lines. What a body asks for is not checked here: the
-server answers each body exactly as ``POST url`` would (:mod:`.batch_runner`),
+server answers each body exactly as ``POST url`` would (:mod:`.runner`),
 errors included, so a body the synchronous endpoint refuses becomes that
 refusal in the error file.
 """

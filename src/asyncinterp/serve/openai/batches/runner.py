@@ -1,7 +1,7 @@
 """Runs a batch: each line answered as its synchronous request would be, every answer kept before it counts.
 
 Why this module exists: a batch is a kept job of kind ``batch``; the kept-jobs runner
-(:mod:`..durable.runner`) claims it, holds its lease, and after a restart (or, on PostgreSQL, the loss of
+(:mod:`...jobs.durable.runner`) claims it, holds its lease, and after a restart (or, on PostgreSQL, the loss of
 the replica that ran it) runs it again. Each run takes the batch from wherever the last one stopped:
 
 * **validating**: the input file's lines are checked (:mod:`.lines`); a bad line fails the batch with
@@ -84,7 +84,7 @@ async def answer(server, path: str, body: bytes) -> tuple:
 
 
 async def run_batch(server, body: bytes, timeout: float, progress) -> dict:
-    """The kept job of a batch (kind ``batch``, :mod:`..durable.kinds`): drive it to its end, from wherever
+    """The kept job of a batch (kind ``batch``, :mod:`...jobs.durable.kinds`): drive it to its end, from wherever
     an earlier run stopped. Its answer names the batch and its final status."""
     bid = wire.unpackb(body)["batch"]
     db = tables(server)

@@ -3,14 +3,14 @@
 Why this module exists: these records must outlive the server and be shared by its replicas, so they
 live in the kept-jobs database (SQLite under ``--state-dir``, or PostgreSQL), beside the jobs table,
 through SQLAlchemy core (no SQL of one dialect by hand); their schema is the Alembic revision
-``0002`` of :mod:`..durable.migrations`. The tables are on the jobs' ``metadata``.
+``0002`` of :mod:`...jobs.durable.migrations`. The tables are on the jobs' ``metadata``.
 
 * ``asyncinterp_files``: an uploaded file or a batch's output, its owner (a key's hash) and bytes;
 * ``asyncinterp_batches``: a batch's OpenAI record (JSON), its status, owner, the kept job that runs it,
   and its own copy of its input;
 * ``asyncinterp_batch_lines``: one row per answered line, keyed by ``(batch, line)``: a line's answer
   is inserted once, and a second insert (a run that lost its lease) changes nothing;
-* ``asyncinterp_edits``: the named edits registered at run time (:mod:`..edit_registry`).
+* ``asyncinterp_edits``: the named edits registered at run time (:mod:`.edits`).
 """
 
 from __future__ import annotations
