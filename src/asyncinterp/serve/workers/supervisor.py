@@ -282,17 +282,18 @@ class Supervisor(aio.Closable):
                                                                "gen": generate_kwargs, "stream": True})
         return SupervisedStream(job)
 
-    async def job(self, data: bytes, *, code: bool, timeout: float | None = None):
+    async def job(self, data: bytes, *, code: bool, timeout: float | None = None, inputs=None):
         """A remote job (``POST /v1/jobs``, already checked by the server): a worker rebuilds and runs it whole;
         returns its answer's ``results`` (one entry per invoke, see :mod:`.jobs_api`). ``code``: it has
-        captured functions (the code pool runs it)."""
-        return await self._wait(self._submit_job(data, code, timeout, False))
+        captured functions (the code pool runs it); ``inputs``: its prompts as the server tokenized them."""
+        return await self._wait(self._submit_job(data, code, timeout, False, inputs))
 
-    def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None) -> "SupervisedStream":
+    def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None,
+                   inputs=None) -> "SupervisedStream":
         """:meth:`job` as a stream of its invokes' events, then ``done`` with the results."""
-        return SupervisedStream(self._submit_job(data, code, timeout, True))
+        return SupervisedStream(self._submit_job(data, code, timeout, True, inputs))
 
-    def _submit_job(self, data, code, timeout, stream) -> Ticket:
+    def _submit_job(self, data, code, timeout, stream, inputs=None) -> Ticket:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -300,7 +301,7 @@ class Supervisor(aio.Closable):
         timeout = float(self.server.timeout if timeout is None else timeout)
         pool = self.pools["code" if code and "code" in self.pools else "trusted"]
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
-        ticket = Ticket("job", {"job": data, "stream": stream}, timeout,
+        ticket = Ticket("job", {"job": data, "stream": stream, "inputs": inputs}, timeout,
                         min(self.server.code_budget, timeout) if code else 0.0, guard)
         pool.submit(ticket)
         return ticket
