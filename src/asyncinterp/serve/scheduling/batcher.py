@@ -408,7 +408,7 @@ class Batcher(aio.Closable):
                 cond.wait()
             first = self._pending[0]
             deadline = first.arrival + self.max_wait
-            while self.arrivals.count > 0:   # wait only for company that is on its way
+            while self.arrivals.total > 0:   # wait only for company that is on its way
                 n = sum(r.size for r in self._pending if r.key == first.key and r.state == "queued")
                 now = time.monotonic()
                 if n >= self.max_batch or now >= deadline or self._closed:

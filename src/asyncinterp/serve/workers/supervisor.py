@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from ... import aio
 from ..scheduling.batcher import BatcherClosed, EventStream, GenerateResult
 from . import worker_start
+from ..scheduling.arrivals import Arrivals
+from ..scheduling.arrivals import submitted as arrived
 from ..scheduling.engine_front import front_for
 # the pool and the failures are their own modules; their names stay importable from here
 from .pool import TICK, Pool, Ticket, WorkerHandle, reap  # noqa: F401
@@ -183,6 +185,12 @@ class Supervisor(aio.Closable):
             self.pools["code"] = Pool(self, "code", self.options.code_nice)
         self.loop = None            # the server's event loop (what workers are sent is read there, in_server_loop)
         self.closed = False
+        # requests on their way (received, not yet submitted): told to the workers, whose batches wait only for them
+        self.arrivals = Arrivals(threading.Condition(), self._relay_arrivals)
+
+    def _relay_arrivals(self, count: int) -> None:
+        for pool in self.pools.values():
+            pool.relay_arrivals(count)
 
     @property
     def stats(self) -> dict:
@@ -304,6 +312,7 @@ class Supervisor(aio.Closable):
         ticket = Ticket("job", {"job": data, "stream": stream, "inputs": inputs}, timeout,
                         min(self.server.code_budget, timeout) if code else 0.0, guard)
         pool.submit(ticket)
+        arrived()   # after the ticket: a worker hears of it before it hears that one fewer is on its way
         return ticket
 
     async def session(self, body: dict, timeout: float | None = None):
@@ -353,6 +362,7 @@ class Supervisor(aio.Closable):
         job = Ticket(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
                   guard)
         pool.submit(job)
+        arrived()
         return job
 
     async def _wait(self, job: Ticket):
