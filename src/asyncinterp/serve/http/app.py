@@ -214,8 +214,7 @@ class Server:
             *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
         ]
-        if self.durable is not None:     # kept jobs: GET/DELETE /v1/jobs/... (serve/jobs/durable, docs/jobs.md)
-            routes += self.durable.routes()
+        routes += self.durable.routes() if self.durable is not None else []   # kept jobs (serve/jobs/durable)
 
         async def http_error(request, exc):
             render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response

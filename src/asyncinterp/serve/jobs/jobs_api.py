@@ -397,4 +397,5 @@ def _event(kind, ev) -> bytes:
 
 
 # what a job kept in the store runs through (serve/jobs/durable): the same loading, checks and answers
-load_job, checked_job, outcomes_of, check_versions, tokenized_of = _load, _checked, _outcomes, _check_versions, _tokenized
+load_job, checked_job, outcomes_of, check_versions = _load, _checked, _outcomes, _check_versions
+tokenized_of = _tokenized
