@@ -166,3 +166,33 @@ def test_three_sigkills_lose_nothing_and_answer_once(tmp_path):
     print(f"\n{len(accepted)} jobs accepted ({len(rows)} in the store), 3 SIGKILLs, {len(restarted)} jobs ran again "
           f"after a kill, 0 lost, 0 answered twice, all equal to solo runs; {elapsed:.1f} s "
           f"({srv.starts} server starts)")
+
+
+async def long_session(model):
+    total = None
+    for i in range(300):
+        h = await model.atrace("The Eiffel Tower is in", layer1)
+        total = h if total is None else total + h
+    return total
+
+
+def test_a_clean_stop_gives_running_jobs_back_at_once(tmp_path):
+    # Ctrl-C (SIGINT) stops the server cleanly: its running job is given back to the queue, so the restarted
+    # server runs it again at once, not after its lease (60 s here) runs out
+    srv = JobServer("--api-key", KEY, "--allow-code", "--isolation", "thread", "--job-lease", "60", "--timeout", "120",
+                    state_dir=tmp_path / "state")
+    srv.start()
+    try:
+        lm = ai.remote(srv.url, api_key=KEY)
+        job = lm.session(long_session, blocking=False)
+        deadline = time.monotonic() + 60
+        while job.status().state != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.stop()
+        srv.start()
+        st = job.wait(timeout=40)
+        assert st.state == "succeeded" and st.attempts == 2 and len(st.restarts) == 1, st.info
+        assert torch.equal(job.result(), lm.session(long_session))
+    finally:
+        srv.stop()

@@ -49,7 +49,8 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     total = options.get("max_new_tokens")
     if server.supervised:
         code = any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
-        events = server.batcher.stream_job(data, code=code, timeout=timeout)
+        events = server.batcher.stream_job(data, code=code, timeout=timeout,
+                                           inputs=jobs_api.tokenized_of(job, invokes))   # tokenized once, here
         encode = None
     else:
         meter, on_cancel = Meter(), None
