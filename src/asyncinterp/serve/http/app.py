@@ -61,9 +61,8 @@ from ... import aio
 from ...client import wire
 from ..jobs import errors, jobs_api, sessions
 from ..jobs.errors import RequestFailed
-from ..openai import choices, model_names, openai_compat, receipts, structured, tokenize_api
+from ..openai import batches as openai_batches, choices, model_names, openai_compat, receipts, structured, tokenize_api
 from ..openai import logprobs as logprob_fields
-from ..openai import batches as openai_batches
 from ..sandbox import ProgramCache, SandboxRefused, SandboxTimeout
 from ..sandbox.gradients import check_no_grad_refusal
 from ..scheduling.batcher import Batcher, BatcherFull
@@ -225,11 +224,9 @@ class Server:
         async def startup():
             if self.durable is not None:
                 await self.durable.start()
-                await openai_batches.started(self)     # the edits registered at run time before a restart
 
         async def shutdown():
             if self.durable is not None:
-                await openai_batches.stopping(self)
                 await self.durable.aclose()
             await self.batcher.aclose()
 
@@ -764,9 +761,8 @@ class Server:
         return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
 
     # the plumbing that endpoint modules registered beside these (jobs_api) share, by public names
-    read_body, decode_body, check_fields, request_timeout = _read_body, _decode, _fields, _timeout
+    read_body, decode_body, check_fields, request_timeout, openai_work = _read_body, _decode, _fields, _timeout, _openai
     check_input, check_new_tokens, guarded, respond, stream_events = _input, _check_new_tokens, _guarded, _respond, _stream
-    openai_work = _openai       # a batch line is answered as its synchronous request (openai/batches/runner.py)
 
 
 def _msgpack_event(ev, receipt=None) -> bytes:

@@ -71,6 +71,7 @@ class Durable:
         self.admin = [k.encode() for k in config.admin_keys if k]
         self.store = None
         self.runner = None
+        self.on_start, self.on_close = [], []   # async callables run once the store is open / before it closes
 
     def routes(self) -> list:
         """The app's routes of kept jobs (:mod:`.routes`)."""
@@ -83,8 +84,12 @@ class Durable:
         self.runner = Runner(self.server, self.store, lease=self.config.lease, concurrency=self.config.concurrency,
                              ttl=self.config.ttl, running_per_owner=self.config.quotas.running)
         self.runner.start()
+        for fn in self.on_start:
+            await fn()
 
     async def aclose(self) -> None:
+        for fn in self.on_close:
+            await fn()
         if self.runner is not None:
             await self.runner.aclose()
         if self.store is not None:

@@ -6,16 +6,16 @@ runtime edits live in the same database as the jobs (:mod:`.tables`), so they su
 with PostgreSQL, a replica's loss, like any job. docs/jobs.md ("The batch API against OpenAI's") and
 docs/edits.md ("Edits registered at run time").
 
-The server's app calls :func:`routes`, :func:`started` and :func:`stopping`. SQLAlchemy (the ``jobs``
-extra) loads only on a server that keeps jobs: on any other, these routes answer a 400 that says how
-to turn them on.
+The server's app calls :func:`routes` (which also asks the kept-jobs service to install the stored
+runtime edits once its store is open). SQLAlchemy (the ``jobs`` extra) loads only on a server that
+keeps jobs: on any other, these routes answer a 400 that says how to turn them on.
 """
 
 from __future__ import annotations
 
 from starlette.routing import Route
 
-__all__ = ["routes", "started", "stopping"]
+__all__ = ["routes"]
 
 PATHS = (("/v1/files", "POST"), ("/v1/files", "GET"), ("/v1/files/{file_id}", "GET"),
          ("/v1/files/{file_id}", "DELETE"), ("/v1/files/{file_id}/content", "GET"), ("/v1/batches", "POST"),
@@ -34,15 +34,6 @@ def routes(server) -> list:
             return await server.guarded(request, "batches", work, openai_error)
         return [Route(path, refuse, methods=[method]) for path, method in PATHS]
     from . import api, edits, files
+    server.durable.on_start.append(lambda: edits.load(server))    # the edits registered before a restart
+    server.durable.on_close.append(lambda: edits.close(server))
     return files.routes(server) + api.routes(server) + edits.routes(server)
-
-
-async def started(server) -> None:
-    """At the server's start, its kept-jobs store open: the stored runtime edits are installed."""
-    from .edits import load
-    await load(server)
-
-
-async def stopping(server) -> None:
-    from .edits import close
-    await close(server)
