@@ -21,6 +21,7 @@ the replica that ran it) runs it again. Each run takes the batch from wherever t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,9 +66,12 @@ async def answer(server, path: str, body: bytes) -> tuple:
         fail = RequestFailed("request", "stream=true is not supported in a batch: its answers go to the output "
                                         "file", param="stream")
         return fail.status, openai_compat.error_body(fail.status, fail.error, fail.param), request_id
+    arrivals = getattr(server.batcher, "arrivals", None)
     while True:
         try:
-            response = await server.openai_work(Request(scope, receive), ENDPOINTS[path], fields)
+            # on its way to the front, as an HTTP request is: a forward that starts meanwhile may wait for it
+            with arrivals.expect() if arrivals is not None else contextlib.nullcontext():
+                response = await server.openai_work(Request(scope, receive), ENDPOINTS[path], fields)
             return response.status_code, json.loads(response.body), request_id
         except RequestFailed as fail:
             if fail.kind == "overloaded":
