@@ -54,3 +54,16 @@ class JobServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+async def last_of_layer1(m):
+    return (await m.transformer.h[1].output)[0][:, -1]
+
+
+async def long_session(model):
+    """A session of 400 traces (a few seconds on tiny GPT-2): long enough to be stopped while it runs."""
+    total = None
+    for i in range(400):
+        h = await model.atrace("The Eiffel Tower is in", last_of_layer1)
+        total = h if total is None else total + h
+    return total

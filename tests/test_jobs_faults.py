@@ -27,7 +27,7 @@ import torch
 
 import asyncinterp as ai
 from asyncinterp.client.wire import RemoteError
-from jobs_helpers import JobServer
+from jobs_helpers import JobServer, long_session
 
 pytestmark = pytest.mark.slow
 
@@ -166,14 +166,6 @@ def test_three_sigkills_lose_nothing_and_answer_once(tmp_path):
     print(f"\n{len(accepted)} jobs accepted ({len(rows)} in the store), 3 SIGKILLs, {len(restarted)} jobs ran again "
           f"after a kill, 0 lost, 0 answered twice, all equal to solo runs; {elapsed:.1f} s "
           f"({srv.starts} server starts)")
-
-
-async def long_session(model):
-    total = None
-    for i in range(300):
-        h = await model.atrace("The Eiffel Tower is in", layer1)
-        total = h if total is None else total + h
-    return total
 
 
 def test_a_clean_stop_gives_running_jobs_back_at_once(tmp_path):

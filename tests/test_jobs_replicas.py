@@ -24,6 +24,7 @@ pytest.importorskip("ray")
 import asyncpg  # noqa: E402
 
 import asyncinterp as ai  # noqa: E402
+from jobs_helpers import long_session  # noqa: E402
 from pg_helpers import PostgresServer  # noqa: E402
 from ray_helpers import stop_cluster, two_node_cluster  # noqa: E402
 from remote_helpers import free_port  # noqa: E402
@@ -33,18 +34,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 KEY = "replica-jobs-key"
 REPLICA = "x-asyncinterp-replica"
-
-
-async def layer1(m):
-    return (await m.transformer.h[1].output)[0][:, -1]
-
-
-async def long_sweep(model):
-    total = None
-    for i in range(400):
-        h = await model.atrace("The Eiffel Tower is in", layer1)
-        total = h if total is None else total + h
-    return total
 
 
 def lease_owner(url, jid):
@@ -85,7 +74,7 @@ def test_replica_killed_mid_job_the_other_finishes_it(tmp_path):
                     pass
                 time.sleep(0.3)
             lm = ai.remote(url, api_key=KEY, timeout=120)
-            job = lm.session(long_sweep, blocking=False)
+            job = lm.session(long_session, blocking=False)
             deadline = time.monotonic() + 60
             while True:
                 row = lease_owner(pg.url, job.id)
@@ -116,7 +105,7 @@ def test_replica_killed_mid_job_the_other_finishes_it(tmp_path):
             if second is not None:
                 assert pid_of(second) != pid_of(first)
             value = job.result(timeout=30)
-            assert torch.equal(value, lm.session(long_sweep))      # the same session run blocking
+            assert torch.equal(value, lm.session(long_session))      # the same session run blocking
             print(f"\njob {job.id}: started on {first}, taken over by {second}, attempts {st.attempts}")
         finally:
             stop_server(proc, timeout=60)
