@@ -173,7 +173,7 @@ class Client(_Base):
 
     def session(self, fn, *, timeout: float | None = None):
         """Run ``fn`` (``async def fn(model)`` calling ``await model.atrace(...)``) on the server as one job;
-        returns its result (see :mod:`.sessions`). The same function runs locally: ``await fn(lm)``."""
+        returns its result (see :mod:`asyncinterp.serve.jobs.sessions`). The same function runs locally: ``await fn(lm)``."""
         r = self._http.post(f"{self.url}/v1/sessions", content=session_body(fn, timeout), headers=self.headers,
                             timeout=self._http_timeout(timeout))
         return _decode_response(r.status_code, r.content)["result"]

@@ -19,7 +19,7 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
 * ``POST /v1/sessions`` — a captured ``async def session(model)`` run on the server as one job
   (:mod:`.sessions`; only when the server allows code);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
-  (JSON, server-sent events when streaming; shapes in :mod:`.openai_compat`, vLLM's sampling fields in
+  (JSON, server-sent events when streaming; shapes in :mod:`..openai.openai_compat`, vLLM's sampling fields in
   :mod:`.sampling_fields`, logprobs and echo in :mod:`.logprobs`, several choices in
   :mod:`.choices`, ``response_format`` in :mod:`.structured`), the intervention in an ``asyncinterp`` field, with the same checks, limits,
   sandbox and batching as the native endpoints;
@@ -106,7 +106,7 @@ class Server:
     ``api_keys``: accepted keys (``Authorization: Bearer KEY`` or
     ``X-API-Key: KEY``); none means no authentication (only sensible on
     loopback). ``allow_code``: accept client-submitted ``async def`` source
-    (restricted, see :mod:`.sandbox`). ``timeout``: per-request limit in
+    (restricted, see :mod:`..sandbox`). ``timeout``: per-request limit in
     seconds (clients may ask for less). ``code_budget``: CPU seconds that
     submitted code may run per request, counted only while its own code
     runs (a request's ``timeout`` lowers it); past it the code is stopped
@@ -117,10 +117,10 @@ class Server:
     ``builtin_interventions``: register ``top_k``, ``read``, ``steer`` and
     ``ablate`` (language models). ``isolation``: ``"thread"`` (default: the
     model runs in this process, on the batcher's thread) or ``"process"`` /
-    a :class:`~.supervisor.ProcessIsolation`: the model and every
+    a :class:`~..workers.supervisor.ProcessIsolation`: the model and every
     intervention run in supervised worker processes that are killed and
     restarted when they hang, crash or run out of memory (see
-    :mod:`.supervisor`); this process keeps checking requests as before.
+    :mod:`..workers.supervisor`); this process keeps checking requests as before.
     ``prompt_tokens_details``: OpenAI answers report
     ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the engine
     took from its prefix cache; vLLM only). Off by default, as in vLLM's
@@ -185,7 +185,7 @@ class Server:
         self.intervention(name, doc=doc)(fn)
 
     def add_edit(self, name: str, fn=None, *, intervention: str | None = None, params: dict | None = None):
-        """Install a named edit, chosen by OpenAI requests as ``model="NAME:name"`` (see :mod:`.model_names`):
+        """Install a named edit, chosen by OpenAI requests as ``model="NAME:name"`` (see :mod:`..openai.model_names`):
         ``fn`` an ``async def fn(m)`` run once per forward pass, or a registered ``intervention`` with fixed
         ``params``."""
         return model_names.install_edit(self, name, fn, intervention=intervention, params=params)
@@ -685,7 +685,7 @@ class Server:
         return selection
 
     async def _openai(self, request, kind, fields):
-        """One OpenAI request: its shapes come from :mod:`.openai_compat`; input, intervention, limits, batching
+        """One OpenAI request: its shapes come from :mod:`..openai.openai_compat`; input, intervention, limits, batching
         and errors go through the same methods as ``/v1/generate``."""
         if not self.is_lm:
             raise RequestFailed("request", "this model does not generate (it is not a language model)")

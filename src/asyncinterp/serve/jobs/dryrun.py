@@ -29,7 +29,7 @@ def dry_run(model, job, compile_source=checked) -> Job:
     """Run ``job`` (a :class:`~asyncinterp.job.Job`, or a ``model.trace()`` being built) as a server would.
 
     Returns the rebuilt job after its run: ``job.results[i].result`` is invoke ``i``'s result (edits of
-    an edited model come first, as in any job). ``compile_source``: see :mod:`.rebuild`.
+    an edited model come first, as in any job). ``compile_source``: see :mod:`..sandbox.rebuild`.
     """
     if isinstance(job, Trace):
         job = job.job

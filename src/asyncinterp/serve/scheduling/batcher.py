@@ -108,7 +108,7 @@ class Batcher(aio.Closable):
     """Coalesce concurrent ``trace``/``generate`` requests into shared runs of ``model``.
 
     ``max_batch``: most requests in one run. ``max_wait_ms``: the most a
-    batch waits for requests that are on their way (:attr:`arrivals`: counted
+    batch waits for requests that are on their way (``arrivals``: counted
     by the server between a request's arrival and its submission); with
     nothing on its way a batch starts at once (0: never wait). ``max_queue``: waiting requests beyond this
     raise :class:`BatcherFull`. ``timeout``: default per-request limit in
