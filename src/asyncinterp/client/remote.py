@@ -2,9 +2,9 @@
 
     lm = ai.remote("http://127.0.0.1:8000", api_key="secret")     # instead of ai.LanguageModel...
     top = lm.trace("The Eiffel Tower is in", fn)                   # same functions, same results
-    with lm.trace() as run:                                        # any number of invokes, one request
-        run.invoke(clean, record)
-        p = run.invoke(corrupted, patch)
+    with lm.trace() as tr:                                        # any number of invokes, one request
+        tr.invoke(clean, record)
+        p = tr.invoke(corrupted, patch)
     g = lm.generate("Once upon a time", steer, max_new_tokens=20)  # g.result, g.tokens, g.text
 
 A remote model is one more engine that takes jobs (:mod:`asyncinterp.engine`):
@@ -128,7 +128,7 @@ class RemoteModel:
 
     # ------------------------------------------------------------------ running
     def trace(self, input=_NOTHING, *fns, on_error: str = "stop", **kwargs):
-        """``trace(x, fn)`` returns ``fn``'s result; ``trace()`` a :class:`Trace` for ``with`` and ``run.invoke``."""
+        """``trace(x, fn)`` returns ``fn``'s result; ``trace()`` a :class:`Trace` for ``with`` and ``tr.invoke``."""
         if input is _NOTHING and not fns:
             return Trace(self, "trace", on_error)
         if not fns:
@@ -143,7 +143,7 @@ class RemoteModel:
         """:meth:`trace` for async code (asyncio or trio); cancelling it cancels the job on the server."""
         if input is _NOTHING and not fns:
             raise TypeError("atrace needs an input and an intervention; for several invokes use "
-                            "`async with model.trace() as run:`")
+                            "`async with model.trace() as tr:`")
         await self.ainfo()
         trace = Trace(self, "trace", on_error)
         inv = trace.invoke(None if input is _NOTHING else input, *fns, **kwargs)
@@ -152,19 +152,19 @@ class RemoteModel:
 
     def generate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
         """As ``LanguageModel.generate``: returns the invoke (``.result``, ``.tokens``, ``.text``, ``.emitted``)."""
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
         if input is _NOTHING and not fns:
-            return run
-        inv = run.invoke(None if input is _NOTHING else input, *fns)
-        run.run()
+            return tr
+        inv = tr.invoke(None if input is _NOTHING else input, *fns)
+        tr.run()
         return inv
 
     async def agenerate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
         """:meth:`generate` for async code."""
         await self.ainfo()
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
-        inv = run.invoke(input, *fns)
-        await run.arun()
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        inv = tr.invoke(input, *fns)
+        await tr.arun()
         return inv
 
     def stream(self, input, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
@@ -173,9 +173,9 @@ class RemoteModel:
         ``{"event": "token", "invoke", "step", "token", "text"}`` per token, ``{"event": "emit", "invoke",
         "step", "value"}`` per ``ai.serve.emit(value)``, and last ``{"event": "done", "result": invoke}``.
         """
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
-        inv = run.invoke(input, *fns)
-        execution = run.start()
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        inv = tr.invoke(input, *fns)
+        execution = tr.start()
         items = queue.Queue()
 
         def work():
@@ -203,9 +203,9 @@ class RemoteModel:
         """:meth:`stream` for async code (asyncio or trio): ``async for event in lm.astream(...)``."""
         import anyio
         await self.ainfo()
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
-        inv = run.invoke(input, *fns)
-        execution = run.start()
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        inv = tr.invoke(input, *fns)
+        execution = tr.start()
         send, receive = anyio.create_memory_object_stream(float("inf"))
         token = anyio.lowlevel.current_token()
 
