@@ -13,7 +13,7 @@ def test_devices_page_runs(capsys):
     out = capsys.readouterr().out
     assert "(torch.bfloat16, torch.bfloat16)" in out
     assert "has dtype torch.float16 but the value it replaces has torch.float32" in out
-    assert ns["run"].output.dtype == torch.float16
+    assert ns["tr"].output.dtype == torch.float16
     assert ns["shapes"]["2.output"].device.type == "meta"
 
 
