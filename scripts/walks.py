@@ -178,7 +178,8 @@ def walk_vllm(walk: Walk) -> None:
     from asyncinterp.models.hf.bundled import smollm2_dir
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = serve(walk, [str(smollm2_dir()), "--engine", "vllm", "--served-model-name", "smollm2"], port)
+    proc = serve(walk, [str(smollm2_dir()), "--engine", "vllm", "--served-model-name", "smollm2", "--dtype", "float32",
+                        "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20)], port)
     wait_healthy(url, proc)
     walk.probe_here()
     body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
@@ -241,15 +242,18 @@ def request_stacks(walk: Walk) -> list:
     (fire_pid, fired), = firing.items()
     base = walk.read("baseline")
     out = []
+    # the caller first, the firing process last; within a process in a fixed order (threads and tasks have none)
     for pid, data in sorted(walk.read("fire").items(), key=lambda kv: (kv[0] != os.getpid(), kv[0] == fire_pid, kv[0])):
         idle = {shape(s["frames"]) for s in base.get(pid, {}).get("threads", []) + base.get(pid, {}).get("tasks", [])}
+        here = []
         for kind, stacks in (("thread", data["threads"]), ("task", data["tasks"])):
             for s in stacks:
                 if s.get("ident") == fired["ident"] and pid == fire_pid:
                     continue
                 hops = [hop(f) for f in s["frames"] if ours(f)]
                 if hops and shape(s["frames"]) not in idle:
-                    out.append((pid, kind, hops))
+                    here.append((pid, kind, hops))
+        out += sorted(here, key=lambda stack: (stack[1], stack[2]))
     hops = []
     for f in fired["frames"]:
         if f[0].endswith("walkprobe.py"):

@@ -108,6 +108,8 @@ RENAMED = {
     "asyncinterp.models.vllm.driver": {"VLLMRun": "asyncinterp.models.vllm.jobs:LiveJob"},
     # a request tracked across worker processes, before ``asyncinterp.Job`` meant the description of the work
     "asyncinterp.serve.workers.supervisor": {"Job": "asyncinterp.serve.workers.pool:Ticket"},
+    # the ranks of a tensor-parallel launch on Ray ("job" means the description of the work)
+    "asyncinterp.distributed.ray_ranks": {"RayJob": "asyncinterp.distributed.ray_ranks:RayLaunched"},
     # the scan's execution, before jobs and engines
     "asyncinterp.tools.scan": {"FakeForward": "asyncinterp.tools.scan:FakeExecution"},
     # the sandbox's policy moved to the client (issue 30), under the names the client uses
