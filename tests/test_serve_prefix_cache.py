@@ -357,7 +357,7 @@ def test_cli_flag_turns_the_cached_tokens_report_on(monkeypatch):
     cli.configure(p)
     for argv in ([], ["--enable-prompt-tokens-details"]):
         with pytest.raises(Made):
-            cli._serve(p.parse_args(argv), "a model", [], logging.getLogger("test"))
+            cli.startup.serve_forever(p.parse_args(argv), "a model", [], logging.getLogger("test"))
     assert made == [False, True]       # off by default, as in vLLM's server
 
 

@@ -70,8 +70,10 @@ class LiveJob:
                                 f"(made by model.engine(kind).make_invoke), got {type(inv).__name__}")
             if inv.prompt_ids is None:
                 inv.prompt_ids = engine.prompt_of(inv.spec.input)
-            inv.params = request_params(job.kind, job.generation, inv.spec.options)
-            inv.lora_request = model.lora.request(inv.spec.options.get("adapter", (job.generation or {}).get("adapter")))
+            if inv.params is None or job.generation:   # else made once already, by make_invoke, from the same options
+                inv.params = request_params(job.kind, job.generation, inv.spec.options)
+                inv.lora_request = model.lora.request(inv.spec.options.get("adapter",
+                                                                           (job.generation or {}).get("adapter")))
         self.key = None               # the job key (the loop sets it)
         self.pending = set()          # ids of this job's requests still in the engine
         self.submitted = False

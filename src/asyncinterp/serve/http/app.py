@@ -284,7 +284,10 @@ class Server:
         return obj
 
     def _input(self, value):
-        """The checked input and its token count (0 for models without a tokenizer)."""
+        """The checked input and its token count (0 for models without a tokenizer).
+
+        A prompt string comes back as its token ids: the one tokenization of the request (the engine, the
+        receipt and the answer's echo take the ids; nothing tokenizes it again)."""
         if self.is_lm:
             if isinstance(value, str):
                 if not value:
@@ -292,12 +295,15 @@ class Server:
                 if len(value) > self.max_prompt_tokens * 64:
                     raise RequestFailed("request", "input: prompt too long")
                 try:
-                    n = len(self.model.tokenizer(value)["input_ids"])
+                    ids = list(self.model.tokenizer(value)["input_ids"])
                 except Exception as exc:  # noqa: BLE001
                     raise RequestFailed("request", f"input: cannot tokenize ({type(exc).__name__})") from None
+                n = len(ids)
                 if n > self.max_prompt_tokens:
                     raise RequestFailed("request", f"input: prompt of {n} tokens exceeds {self.max_prompt_tokens}")
-                return value, n
+                if not ids:
+                    raise RequestFailed("request", "input: the prompt has no tokens")
+                return ids, n
             if isinstance(value, list) and value and all(type(t) is int for t in value):
                 if len(value) > self.max_prompt_tokens:
                     raise RequestFailed("request", f"input: {len(value)} tokens exceed {self.max_prompt_tokens}")
@@ -710,16 +716,16 @@ class Server:
         fns = edits + ((fn,) if fn is not None else ())
         scope = selection.scope if fn is None else None
 
-        def make_shaper(prompt, n, length, generate):
+        def make_shaper(prompt, n, length, generate, ids=None):
             receipt = self.receipts.make(req.model, selection, req.intervention, generate.get("seed"),
                                          (req.kind, prompt, n, {**generate, **engine_options}, req.fields, req.stop))
-            return choices.shaper(self, req, prompt, n, length, fn is not None, receipt, len(selection.edits))
+            return choices.shaper(self, req, prompt, n, length, fn is not None, receipt, len(selection.edits), ids)
         if len(inputs) > 1 or req.n > 1:
             return await choices.respond(self, request, fields, req, inputs, fns, make_shaper, scope,
                                          dict(timeout=timeout, on_cancel=on_cancel, meter=meter, **engine_options))
         prompt, x, length, n = inputs[0]
+        shaper = make_shaper(prompt, n, length, req.generate, x)
         x = self.front.generation_input(x, req.cache_salt, scope)
-        shaper = make_shaper(prompt, n, length, req.generate)
         options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
                        **{**req.generate, **engine_options})
         if req.stream:

@@ -29,6 +29,9 @@ module), whose names are importable from here too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 from ...invoke import Invoke
 from ...job import InvokeSpec, Job, frozen_mapping
 from ...client import wire
@@ -37,7 +40,19 @@ from ...client.cache_wire import build_cache
 from ...client.job_form import JOB_FORMAT, Named, dumps_job  # noqa: F401
 from ..sandbox.rebuild import DescriptionRefused, intervention, rebuild
 
-__all__ = ["JOB_FORMAT", "Named", "dumps_job", "loads_job"]
+__all__ = ["JOB_FORMAT", "JobParts", "Named", "dumps_job", "loads_job", "read_job"]
+
+
+class JobParts(NamedTuple):
+    """A job as read from the wire, before it runs: what a server checks and hands to its front, where it
+    becomes (part of) the one :class:`~asyncinterp.job.Job` that runs. The fields are the job's own."""
+
+    invokes: tuple
+    kind: str
+    on_error: str
+    stop_per_invoke: bool
+    generation: Mapping
+    context: Mapping
 
 
 def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
@@ -48,6 +63,18 @@ def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMI
     (``{"source", "entry", "params"}``) into a callable, as before captures. Each invoke gets a fresh
     result carrier (:class:`~asyncinterp.invoke.Invoke`).
     """
+    parts = read_job(data, compile, limits, compile_source=compile_source, named=named)
+    carriers = tuple(Invoke(i, spec) for i, spec in enumerate(parts.invokes))
+    try:
+        return Job(*parts, carriers)
+    except ValueError as exc:
+        raise wire.WireError(str(exc)) from None
+
+
+def read_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
+             compile_source=None, named=None) -> JobParts:
+    """What :func:`loads_job` reads, without making a :class:`~asyncinterp.job.Job` of it: a server hands the parts
+    to its front, which runs them in the one job of their batch (one ``Job`` per process, issue 30)."""
     body = wire.unpackb(data, limits)
     if not isinstance(body, dict) or body.get("format") != JOB_FORMAT:
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
@@ -75,13 +102,12 @@ def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMI
         fns = tuple(compile(fn) for fn in _list(item, "fns"))
         specs.append(InvokeSpec(item.get("input"), fns, frozen_mapping(_map(item, "kwargs")),
                                 frozen_mapping(_map(item, "options")), (), bool(item.get("background"))))
-    carriers = tuple(Invoke(i, spec) for i, spec in enumerate(specs))
-    try:
-        return Job(tuple(specs), body.get("kind", "trace"), body.get("on_error", "stop"),
-                   bool(body.get("stop_per_invoke")), frozen_mapping(_map(body, "generation")),
-                   frozen_mapping(_map(body, "context")), carriers)
-    except ValueError as exc:
-        raise wire.WireError(str(exc)) from None
+    kind, on_error = body.get("kind", "trace"), body.get("on_error", "stop")
+    if kind not in ("trace", "generate") or on_error not in ("stop", "continue"):
+        raise wire.WireError(f"a job's kind is 'trace' or 'generate' and its on_error 'stop' or 'continue', got "
+                             f"{str(kind)[:40]!r} and {str(on_error)[:40]!r}")
+    return JobParts(tuple(specs), kind, on_error, bool(body.get("stop_per_invoke")),
+                    frozen_mapping(_map(body, "generation")), frozen_mapping(_map(body, "context")))
 
 
 def _or_cache(compile):

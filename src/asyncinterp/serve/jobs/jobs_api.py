@@ -42,7 +42,7 @@ from ...client import wire
 from ...client.cache_wire import recorded_of
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
-from .job_wire import loads_job
+from .job_wire import read_job
 from ...client.protocol import incompatible, versions
 from ..scheduling.requests import Meter
 from ..sandbox.rebuild import DescriptionRefused, DescriptionTooLarge
@@ -91,14 +91,15 @@ async def _jobs(server, request):
         fields.update(kind=job.kind, invokes=len(invokes), intervention="job")
         if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
             code = _has_code(job)
+            inputs = _tokenized(job, invokes)   # the prompts as tokenized here: the worker does not again
             if stream:
                 try:
-                    events = server.batcher.stream_job(data, code=code, timeout=timeout)
+                    events = server.batcher.stream_job(data, code=code, timeout=timeout, inputs=inputs)
                 except Exception as exc:  # noqa: BLE001
                     raise errors.failure(exc) from None
                 fields["stream"] = True
                 return StreamingResponse(server.stream_events(events, _worker_event), media_type=MSGPACK_STREAM)
-            call = functools.partial(server.batcher.job, data, code=code, timeout=timeout)
+            call = functools.partial(server.batcher.job, data, code=code, timeout=timeout, inputs=inputs)
             return await server.respond(request, fields, call, lambda results: {"ok": True, "results": results})
         meter = on_cancel = None
         if sandbox is not None:
@@ -138,7 +139,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
         if server.allow_code else None
     job = _load(server, msg["job"], sandbox, timeout)
-    invokes, options = _checked(server, job)
+    invokes, options = _checked(server, job, msg.get("inputs"))
     meter = sandbox.clock if sandbox is not None else Meter()
     worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
     on_cancel = None
@@ -174,7 +175,8 @@ def _check_versions(obj) -> None:
 
 
 def _load(server, data, sandbox, timeout):
-    """The job with every intervention rebuilt (sandboxed) or bound (registered by name)."""
+    """The job's parts with every intervention rebuilt (sandboxed) or bound (registered by name): its one
+    ``Job`` is made by the front, with the rest of its batch."""
     def refuse_code(source, filename, namespace):
         raise RequestFailed("refused", "this server does not accept submitted code (start it with --allow-code); "
                                        "use interventions registered on it (GET /v1/model), by name")
@@ -184,7 +186,7 @@ def _load(server, data, sandbox, timeout):
         return fn
 
     try:
-        job = loads_job(data, limits=server.limits, compile_source=sandbox or refuse_code, named=named)
+        job = read_job(data, limits=server.limits, compile_source=sandbox or refuse_code, named=named)
         if sandbox is not None and sandbox.clock.grad:
             check_no_grad_refusal(types.SimpleNamespace(needs_grad=True), server.front.kind)
         return job
@@ -200,8 +202,18 @@ def _load(server, data, sandbox, timeout):
         raise RequestFailed("refused", f"captured code failed to load: {type(exc).__name__}: {exc}") from None
 
 
-def _checked(server, job):
-    """``(invokes, options)`` for the batcher: every invoke's input checked, the job's options refused or kept."""
+def _tokenized(job, invokes) -> list:
+    """For a worker process: each invoke's prompts as this process tokenized them (``None``: its input as sent)."""
+    def text(value):
+        return isinstance(value, str) or isinstance(value, list) and any(isinstance(v, str) for v in value)
+    return [x if text(spec.input) else None for spec, (x, _, _) in zip(job.invokes, invokes)]
+
+
+def _checked(server, job, tokenized=None):
+    """``(invokes, options)`` for the batcher: every invoke's input checked, the job's options refused or kept.
+
+    ``tokenized``: the prompts as the server's main process checked and tokenized them (:func:`_tokenized`),
+    which a worker process takes instead of tokenizing them again."""
     n = len(job.invokes)
     max_batch = server.batcher.max_batch
     if n == 0:
@@ -231,6 +243,10 @@ def _checked(server, job):
                                            "(they run in one forward)")
         if spec.input is None:
             x = None
+        elif tokenized is not None and i < len(tokenized) and tokenized[i] is not None:
+            x = tokenized[i]
+            rows = x if x and isinstance(x[0], list) else [x]
+            longest = max(longest, max(len(r) for r in rows))
         else:
             try:
                 x, length = _input(server, spec.input)

@@ -30,17 +30,19 @@ from .openai_compat import DONE, EXT
 __all__ = ["drain", "respond", "response", "seed_for", "shaper", "stream"]
 
 
-def shaper(server, req, prompt, n, length, extension, receipt=None, n_edits=0):
+def shaper(server, req, prompt, n, length, extension, receipt=None, n_edits=0, ids=None):
     """The :class:`~.openai_compat.Shaper` of one choice of ``server``'s answer to ``req`` (``prompt``: its prompt,
     ``n``: its token limit, ``length``: the prompt's tokens; ``extension``: the request has an intervention);
-    with a ``receipt``, a :class:`~.receipts.ReceiptShaper` (``n_edits``: the model name's edits ran first)."""
+    with a ``receipt``, a :class:`~.receipts.ReceiptShaper` (``n_edits``: the model name's edits ran first);
+    ``ids``: the prompt's token ids as the server tokenized them (so an echo does not tokenize it again)."""
     tok = server.model.tokenizer
     args = (req, n, length, server.front.eos_ids(), extension, server.prompt_tokens_details, tok)
     out = openai_compat.Shaper(*args) if receipt is None else \
         receipts.ReceiptShaper(*args, receipt=receipt, n_edits=n_edits)
     if req.logprobs.echo:   # vLLM echoes a prompt's own text, or the text of its token ids
         out.prompt_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
-        out.prompt_ids = list(tok(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        out.prompt_ids = list(ids) if ids is not None else list(tok(prompt)["input_ids"]) if isinstance(prompt, str) \
+            else list(prompt)
     return out
 
 
@@ -52,9 +54,10 @@ async def respond(server, request, fields, req, inputs, fns, make_shaper, scope,
     shapers, streams = [], []
     try:
         for p, (prompt, x, length, n) in enumerate(inputs):
+            ids = x
             x = server.front.generation_input(x, req.cache_salt, scope)
             for sample in range(req.n):
-                sh = make_shaper(prompt, n, length, seed_for(req.generate, sample))
+                sh = make_shaper(prompt, n, length, seed_for(req.generate, sample), ids)
                 sh.index, sh.prompt_key = len(shapers), p
                 streams.append(server.batcher.stream_generate(x, *fns, max_new_tokens=n,
                                                               **{**seed_for(req.generate, sample), **options}))

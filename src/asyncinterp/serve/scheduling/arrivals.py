@@ -47,15 +47,34 @@ class Arrival:
 
 
 class Arrivals:
-    """How many requests are on their way to one front; ``changed`` (a Condition) hears every change."""
+    """How many requests are on their way to one front; ``changed`` (a Condition) hears every change.
 
-    def __init__(self, changed: threading.Condition):
+    ``count``: those this process received and has not submitted; ``relayed``: those another process (the
+    server, for a worker process) says are on their way to it; ``on_change(total)``: called after each change
+    of ``count`` (a supervisor relays it to its workers)."""
+
+    def __init__(self, changed: threading.Condition, on_change=None):
         self.changed = changed
         self.count = 0
+        self.relayed = 0
+        self.on_change = on_change
+
+    @property
+    def total(self) -> int:
+        return self.count + self.relayed
 
     def leave(self, n: int) -> None:
         with self.changed:
             self.count -= n
+            self.changed.notify_all()
+            count = self.count
+        if self.on_change is not None:
+            self.on_change(count)
+
+    def relay(self, n: int) -> None:
+        """Another process says ``n`` requests are on their way here."""
+        with self.changed:
+            self.relayed = max(0, int(n))
             self.changed.notify_all()
 
     @contextlib.contextmanager
@@ -70,6 +89,9 @@ class Arrivals:
             raise ValueError(f"expect(n) takes a positive number of requests, got {n!r}")
         with self.changed:
             self.count += n
+            count = self.count
+        if self.on_change is not None:
+            self.on_change(count)
         arrival = Arrival(self, n)
         token = _current.set(arrival)
         try:

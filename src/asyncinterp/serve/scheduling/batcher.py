@@ -344,13 +344,13 @@ class Batcher(aio.Closable):
         try:
             # the job is built once, with everything up front: m.stop() ends this request only, the request
             # table for serve.emit and the listener that hears its tokens are part of it when it is frozen
-            if req.kind == "generate":
-                trace = Trace(model, "generate", "continue", stop_per_invoke=True,
-                              generation=dict(req.gen, max_new_tokens=req.max_new_tokens))
-            else:
-                trace = Trace(model, "trace", "continue", stop_per_invoke=True)
+            # the request's sampling options are its invoke's own: the engine makes its sampling parameters and
+            # adapter request once, when the invoke is made
+            trace = Trace(model, req.kind, "continue", stop_per_invoke=True)
             trace.listener = _LiveListener(self, req)
-            inv = trace.invoke(req.input, *req.fns, **req.kwargs)
+            options = dict(req.kwargs, **req.gen, max_new_tokens=req.max_new_tokens) if req.kind == "generate" \
+                else req.kwargs
+            inv = trace.invoke(req.input, *req.fns, **options)
             trace.context[REQUESTS] = {inv.index: req}
             req.tokens = [inv.token_ids]      # the engine appends to it step by step
             run = trace.start()               # the job, frozen (nothing runs until it is submitted)
@@ -408,7 +408,7 @@ class Batcher(aio.Closable):
                 cond.wait()
             first = self._pending[0]
             deadline = first.arrival + self.max_wait
-            while self.arrivals.count > 0:   # wait only for company that is on its way
+            while self.arrivals.total > 0:   # wait only for company that is on its way
                 n = sum(r.size for r in self._pending if r.key == first.key and r.state == "queued")
                 now = time.monotonic()
                 if n >= self.max_batch or now >= deadline or self._closed:

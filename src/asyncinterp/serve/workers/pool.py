@@ -145,6 +145,13 @@ class Pool:
             self._dispatch()
             self.cond.notify_all()
 
+    def relay_arrivals(self, count: int) -> None:
+        """Tell the worker how many requests are on their way to the server (its batches wait only for those)."""
+        with self.cond:
+            w = self.worker
+            if w is not None and w.ready and not w.doomed:
+                w.outbox.put(wire.packb({"op": "arrivals", "n": count}))
+
     def edits_installed(self, names) -> None:
         """A request runs the named edits ``names``: a worker forked before one of them was installed has not
         got it, and is replaced when idle (the request waits for its successor)."""

@@ -60,6 +60,8 @@ from ... import aio
 from ...moved import old_name
 from ..scheduling.batcher import BatcherClosed, EventStream, GenerateResult
 from . import worker_start
+from ..scheduling.arrivals import Arrivals
+from ..scheduling.arrivals import submitted as arrived
 from ..scheduling.engine_front import front_for
 # the pool and the failures are their own modules; their names stay importable from here
 from .pool import TICK, Pool, Ticket, WorkerHandle, reap  # noqa: F401
@@ -187,6 +189,12 @@ class Supervisor(aio.Closable):
             self.pools["code"] = Pool(self, "code", self.options.code_nice)
         self.loop = None            # the server's event loop (what workers are sent is read there, in_server_loop)
         self.closed = False
+        # requests on their way (received, not yet submitted): told to the workers, whose batches wait only for them
+        self.arrivals = Arrivals(threading.Condition(), self._relay_arrivals)
+
+    def _relay_arrivals(self, count: int) -> None:
+        for pool in self.pools.values():
+            pool.relay_arrivals(count)
 
     @property
     def stats(self) -> dict:
@@ -286,17 +294,18 @@ class Supervisor(aio.Closable):
                                                                "gen": generate_kwargs, "stream": True})
         return SupervisedStream(job)
 
-    async def job(self, data: bytes, *, code: bool, timeout: float | None = None):
+    async def job(self, data: bytes, *, code: bool, timeout: float | None = None, inputs=None):
         """A remote job (``POST /v1/jobs``, already checked by the server): a worker rebuilds and runs it whole;
         returns its answer's ``results`` (one entry per invoke, see :mod:`.jobs_api`). ``code``: it has
-        captured functions (the code pool runs it)."""
-        return await self._wait(self._submit_job(data, code, timeout, False))
+        captured functions (the code pool runs it); ``inputs``: its prompts as the server tokenized them."""
+        return await self._wait(self._submit_job(data, code, timeout, False, inputs))
 
-    def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None) -> "SupervisedStream":
+    def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None,
+                   inputs=None) -> "SupervisedStream":
         """:meth:`job` as a stream of its invokes' events, then ``done`` with the results."""
-        return SupervisedStream(self._submit_job(data, code, timeout, True))
+        return SupervisedStream(self._submit_job(data, code, timeout, True, inputs))
 
-    def _submit_job(self, data, code, timeout, stream) -> Ticket:
+    def _submit_job(self, data, code, timeout, stream, inputs=None) -> Ticket:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -304,9 +313,10 @@ class Supervisor(aio.Closable):
         timeout = float(self.server.timeout if timeout is None else timeout)
         pool = self.pools["code" if code and "code" in self.pools else "trusted"]
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
-        ticket = Ticket("job", {"job": data, "stream": stream}, timeout,
+        ticket = Ticket("job", {"job": data, "stream": stream, "inputs": inputs}, timeout,
                         min(self.server.code_budget, timeout) if code else 0.0, guard)
         pool.submit(ticket)
+        arrived()   # after the ticket: a worker hears of it before it hears that one fewer is on its way
         return ticket
 
     async def session(self, body: dict, timeout: float | None = None):
@@ -356,6 +366,7 @@ class Supervisor(aio.Closable):
         job = Ticket(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
                   guard)
         pool.submit(job)
+        arrived()
         return job
 
     async def _wait(self, job: Ticket):

@@ -248,7 +248,9 @@ class Worker:
                 break
             op = msg.get("op")
             if op == "run":
-                start(self._run, msg)
+                start(self._arriving, msg)
+            elif op == "arrivals":
+                self.batcher.arrivals.relay(msg.get("n", 0))
             elif op == "cancel":
                 scope = self.scopes.get(msg.get("id"))
                 if scope is not None:
@@ -265,6 +267,10 @@ class Worker:
 
     def _batch_ended(self) -> None:   # on the batcher's thread
         self.channel.send({"t": "batch_end"})
+
+    async def _arriving(self, msg) -> None:
+        with self.batcher.arrivals.expect():   # on its way to the batcher until it is submitted
+            await self._run(msg)
 
     async def _run(self, msg) -> None:
         jid = msg["id"]
