@@ -230,7 +230,7 @@ class DiffusionModel(Model):
         """Run the pipeline with interventions; each denoiser call is one step of the tasks.
 
         ``model.generate(prompt, fn, ...)`` returns the invoke's result
-        (``.result``, ``.images``); without a prompt it returns the run for a
+        (``.result``, ``.images``); without a prompt it returns the trace (``Trace``) for a
         ``with`` block (``tr.invoke(prompt, fn, seed=...)`` per prompt, all in
         one pipeline call). ``seed``: the default seed of every invoke (each
         invoke draws its noise from its own ``torch.Generator``). Other

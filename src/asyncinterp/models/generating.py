@@ -114,7 +114,7 @@ class GeneratingModel:
 
         ``model.generate(prompt, fn, max_new_tokens=20)`` returns the invoke's
         result object (``.result``, ``.tokens``, ``.text``).
-        ``model.generate(max_new_tokens=...)`` without a prompt returns the run
+        ``model.generate(max_new_tokens=...)`` without a prompt returns the trace
         for a ``with`` block (``tr.invoke(prompt, fn)`` per prompt). Decoding
         is greedy unless sampling keywords say otherwise; other keywords go to
         the model's own generation call. Both engines take ``stop`` (a string

@@ -72,9 +72,9 @@ class Session:
         return model
 
     def trace(self, input=_NOTHING, *fns, model=None, **kwargs):
-        """Run one trace now (see ``Model.trace``); returns its invoke (``.result``) or its run.
+        """Run one trace now (see ``Model.trace``); returns its invoke (``.result``) or its trace.
 
-        With no input and no intervention, returns the run to fill in a
+        With no input and no intervention, returns the trace to fill in a
         ``with`` block (it executes when the block ends, and is recorded).
         """
         self._check_open()
