@@ -126,9 +126,9 @@ def _patching(model):
 
 def test_two_invokes_sharing_a_future_activation_patching(local, lm):
     here, _ = _patching(local)
-    there, run = _patching(lm)
+    there, tr = _patching(lm)
     same(here, there)
-    assert run.invokes[0].result is None
+    assert tr.invokes[0].result is None
 
 
 def test_generation_with_per_step_control_and_a_closure_over_a_list(local, lm):
@@ -295,7 +295,7 @@ def test_a_group_is_never_split_across_batches(local, live, lm):
         tr.invoke(PROMPT, source)
         tr.invoke("A dog ran into a", sink)
         tr.invoke("Once upon a time there", sink)
-        return run
+        return tr
 
     batcher._execute = recording
     try:
@@ -313,8 +313,8 @@ def test_a_group_is_never_split_across_batches(local, live, lm):
     assert sum(sum(s) for s in sizes) == 3 * 3 + 3
     assert all(sum(s) <= batcher.max_batch for s in sizes), sizes
     assert sum(s.count(3) for s in sizes) == 3          # every group went into a batch whole
-    for run in runs:
-        first, second, third = (inv.result for inv in run.invokes)
+    for tr in runs:
+        first, second, third = (inv.result for inv in tr.invokes)
         same(first, second)
         same(first, third)
 
