@@ -301,37 +301,28 @@ def run_walk(name: str) -> dict:
 
 
 def main(argv) -> int:
-    names = argv[1:] or list(WALKS)
+    as_json = "--json" in argv
+    names = [a for a in argv[1:] if a != "--json"] or list(WALKS)
     unknown = [n for n in names if n not in WALKS]
     if unknown:
         print(f"unknown walk(s) {unknown}: choose among {', '.join(WALKS)}", file=sys.stderr)
         return 2
-    if len(names) > 1:
-        # each walk in a fresh process: the probe and the kernel patch are per process
-        results = []
-        for name in names:
-            out = subprocess.run([sys.executable, __file__, "--json", name], capture_output=True, text=True,
-                                 timeout=START_TIMEOUT_S + 300, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
-            if out.returncode != 0:
-                print(out.stderr[-4000:], file=sys.stderr)
-                return out.returncode
-            results.append(json.loads(out.stdout.splitlines()[-1]))
-        print(markdown(results))
+    if len(names) == 1:
+        result = run_walk(names[0])
+        print(json.dumps(result) if as_json else markdown([result]))
         return 0
-    if names == ["--json"]:
-        return 2
-    result = run_walk(names[0])
-    print(markdown([result]))
-    return 0
-
-
-def main_json(name: str) -> int:
-    result = run_walk(name)
-    print(json.dumps(result))
+    # each walk in a fresh process of its own: the probe and its patch of the kernel are per process
+    results = []
+    for name in names:
+        out = subprocess.run([sys.executable, __file__, "--json", name], capture_output=True, text=True,
+                             timeout=START_TIMEOUT_S + 300, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+        if out.returncode != 0:
+            print(out.stderr[-4000:], file=sys.stderr)
+            return out.returncode
+        results.append(json.loads(out.stdout.splitlines()[-1]))
+    print(markdown(results))
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--json":
-        sys.exit(main_json(sys.argv[2]))
     sys.exit(main(sys.argv))

@@ -340,8 +340,8 @@ def test_cleanup_over_many_runs_with_toolkit_features(llama_hf):
                 tr.run()
         else:
             tr.run()
-        runs.append(weakref.ref(run))
-        del run, cache, fn
+        runs.append(weakref.ref(tr))
+        del tr, cache, fn
     gc.collect()
     assert hook_count(llama_hf) == hooks_before
     assert all("forward" not in mod.__dict__ for mod in llama_hf.modules())
