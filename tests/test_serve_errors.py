@@ -71,7 +71,8 @@ def test_statuses_of_kinds_and_openai_types():
                         "intervention": 422, "client_disconnect": 499, "internal": 500, "crashed": 500,
                         "overloaded": 503, "closed": 503, "unavailable": 503, "timeout": 504, "hung": 504,
                         "overran": 504, "out_of_memory": 507, "replica_lost": 502,
-                        "ranks_lost": 503}
+                        "ranks_lost": 503, "not_finished": 409, "quota": 429, "cancelled": 409,
+                        "forbidden": 403, "conflict": 409}
     assert [errors.openai_type(s) for s in (400, 401, 404, 405, 413, 422, 500, 503, 504, 507)] == [
         "invalid_request_error", "authentication_error", "not_found_error", "invalid_request_error",
         "invalid_request_error", "intervention_error", "server_error", "overloaded_error", "timeout_error",

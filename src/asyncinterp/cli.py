@@ -41,8 +41,14 @@ def _add_serve(subparsers) -> None:
     add_parser(subparsers)
 
 
+def _add_jobs(subparsers) -> None:
+    # `asyncinterp jobs list|status|result|cancel URL`: kept jobs from a shell (a client: docs/jobs.md)
+    from .client.jobs_cli import add_parser
+    add_parser(subparsers)
+
+
 # Subcommands: functions that add a parser to `subparsers` and set `func`.
-COMMANDS = [_add_demo, _add_serve]
+COMMANDS = [_add_demo, _add_serve, _add_jobs]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,6 @@ import dis
 import functools
 import inspect
 import platform
-import textwrap
 import types
 
 import torch
@@ -42,6 +41,7 @@ import torch
 from ..hooks.envoy import Envoy
 from ..kernel.futures import Future
 from .policy import ALLOWED_MODULES
+from .sources import parsed_source
 
 __all__ = ["FORMAT", "MAX_VALUE_DEPTH", "Capture", "describe", "version"]
 
@@ -182,16 +182,14 @@ def describe(fn) -> dict:
 # ----------------------------------------------------------------------- reading a function
 def _source(fn) -> str:
     name = fn.__qualname__
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError) as exc:
-        raise TypeError(f"cannot get the source of {name} to send it ({exc}); define it in a file or a "
-                        "notebook cell (not in an interactive `python` prompt or through exec)") from None
     if fn.__name__ == "<lambda>":
         raise TypeError(f"a lambda ({fn.__code__.co_filename}, line {fn.__code__.co_firstlineno}) cannot travel "
                         "as source; write it as a named `def` or `async def`")
     try:
-        tree = ast.parse(source)
+        source, tree = parsed_source(fn)
+    except (OSError, TypeError) as exc:
+        raise TypeError(f"cannot get the source of {name} to send it ({exc}); define it in a file or a "
+                        "notebook cell (not in an interactive `python` prompt or through exec)") from None
     except SyntaxError as exc:
         raise TypeError(f"the source of {name} does not parse on its own ({exc.msg}); define it as a plain "
                         "`def`/`async def` statement") from None

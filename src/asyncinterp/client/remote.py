@@ -127,8 +127,9 @@ class RemoteModel:
         return Named(name, params)
 
     # ------------------------------------------------------------------ running
-    def trace(self, input=_NOTHING, *fns, on_error: str = "stop", **kwargs):
-        """``trace(x, fn)`` returns ``fn``'s result; ``trace()`` a :class:`Trace` for ``with`` and ``tr.invoke``."""
+    def trace(self, input=_NOTHING, *fns, on_error: str = "stop", blocking: bool = True, **kwargs):
+        """``trace(x, fn)`` returns ``fn``'s result; ``trace()`` a :class:`Trace` for ``with`` and ``tr.invoke``.
+        ``blocking=False``: submit it and return a job handle at once (docs/jobs.md)."""
         if input is _NOTHING and not fns:
             return Trace(self, "trace", on_error)
         if not fns:
@@ -136,6 +137,8 @@ class RemoteModel:
                             "one (`async def out(m): return await m.output`)")
         trace = Trace(self, "trace", on_error)
         inv = trace.invoke(None if input is _NOTHING else input, *fns, **kwargs)
+        if not blocking:
+            return self._submit(trace, "value")
         trace.run()
         return inv.result
 
@@ -150,12 +153,16 @@ class RemoteModel:
         await trace.arun()
         return inv.result
 
-    def generate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
-        """As ``LanguageModel.generate``: returns the invoke (``.result``, ``.tokens``, ``.text``, ``.emitted``)."""
+    def generate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", blocking: bool = True,
+                 **options):
+        """As ``LanguageModel.generate``: returns the invoke (``.result``, ``.tokens``, ``.text``, ``.emitted``);
+        ``blocking=False``: a job handle whose ``result()`` is that invoke."""
         tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
         if input is _NOTHING and not fns:
             return tr
         inv = tr.invoke(None if input is _NOTHING else input, *fns)
+        if not blocking:
+            return self._submit(tr, "invoke")
         tr.run()
         return inv
 
@@ -236,7 +243,7 @@ class RemoteModel:
                 tg.cancel_scope.cancel()
 
     # ------------------------------------------------------------------ sessions
-    def session(self, fn=None, /, *, timeout: float | None = None, **keywords):
+    def session(self, fn=None, /, *, timeout: float | None = None, blocking: bool = True, **keywords):
         """Run a session on the server: ``fn`` is an ``async def fn(model, **keywords)`` that runs several traces
         (``await model.atrace(...)``, ``await model.agenerate(...)``), values flowing between them; it travels
         once (``POST /v1/sessions``), its traces join the server's shared batches, and only its return value
@@ -246,6 +253,9 @@ class RemoteModel:
             raise TypeError("a remote session is a function: write the runs as `async def sweep(model): ... "
                             "await model.atrace(x, fn) ...` and call `lm.session(sweep)` (locally: "
                             "`await sweep(lm)`); a `with model.session()` block cannot travel")
+        if not blocking:
+            body = wire.unpackb(self._session_body(fn, timeout, keywords), wire.answer_limits(1 << 30))
+            return self._post_job("/v1/sessions", {**body, "wait": False, "returns": "value"}, None)
         r = self.http.post(f"{self.url}/v1/sessions", content=self._session_body(fn, timeout, keywords),
                            headers=self.headers, timeout=self._request_timeout(timeout))
         return _session_result(r.status_code, r.content)
@@ -268,6 +278,73 @@ class RemoteModel:
     def _request_timeout(self, timeout):
         t = self.timeout if timeout is None else float(timeout)
         return httpx.Timeout(t + 10.0, connect=10.0)
+
+    # ------------------------------------------------------------------ kept jobs (docs/jobs.md)
+    def submit(self, run: Trace):
+        """Submit a trace built with ``tr = lm.trace()`` / ``tr.invoke(...)`` without waiting: a job handle
+        whose ``result()`` is the list of its invokes."""
+        if not isinstance(run, Trace) or run.model is not self:
+            raise TypeError("submit takes a trace of this remote model (`tr = lm.trace(); tr.invoke(x, fn)`)")
+        return self._submit(run, "invokes" if run.on_error == "stop" else "invokes+")
+
+    def _submit(self, run: Trace, returns: str):
+        self.info()   # the version check, once
+        job = tr.job
+        body = {**self.versions, "job": dumps_job(job), "wait": False, "returns": returns}
+        return self._post_job("/v1/jobs", body, job.results)
+
+    def _post_job(self, path, body, carriers):
+        from .jobs_handle import RemoteJob
+        r = self.http.post(f"{self.url}{path}", content=wire.packb(body), headers=self.headers)
+        if r.status_code != 202:
+            try:
+                _decode_response(r.status_code, r.content)
+            except RemoteError as exc:
+                raise remote_exception(exc) from None
+            raise RemoteError("ProtocolError", f"HTTP {r.status_code}: the server did not keep the job")
+        return RemoteJob(self, r.json(), carriers)
+
+    def job(self, job_id: str):
+        """The handle of a job submitted earlier with this API key (from any process): ``status()``, ``result()``."""
+        from .jobs_handle import RemoteJob, _json
+        return RemoteJob(self, _json(self.http.get(f"{self.url}/v1/jobs/{job_id}", headers=self.headers)))
+
+    def jobs(self, limit: int = 20, state: str | None = None) -> list:
+        """Handles of this key's newest jobs (at most ``limit``, optionally only those in ``state``)."""
+        from .jobs_handle import RemoteJob, _json
+        params = {"limit": limit, **({"state": state} if state else {})}
+        page = _json(self.http.get(f"{self.url}/v1/jobs", params=params, headers=self.headers))
+        return [RemoteJob(self, info) for info in page["data"]]
+
+    def job_error(self, error, status):
+        """A kept job's error as the blocking call would raise it."""
+        return remote_exception(RemoteError.from_wire(error, status))
+
+    def job_answer(self, handle, status, content):
+        """What the blocking call of ``handle``'s job gives, from its kept answer (or its error, raised)."""
+        from .jobs_handle import answer_of
+        try:
+            answer = answer_of(status, content)
+        except RemoteError as exc:
+            raise remote_exception(exc) from None
+        if handle.kind == "session":
+            return answer.get("result")
+        entries = answer.get("results") or []
+        carriers = handle.carriers
+        if carriers is None or len(carriers) != len(entries):
+            from ..job import EMPTY, InvokeSpec
+            cls = RemoteGeneration if handle.kind == "generate" else RemoteInvoke
+            carriers = [cls(i, InvokeSpec(None, (), EMPTY, EMPTY, (), False)) for i in range(len(entries))]
+        first = None
+        for carrier, entry in zip(carriers, entries):
+            carrier.deliver_remote(entry)
+            if first is None and carrier.error is not None:
+                first = carrier.error
+        if handle.returns == "value":
+            return carriers[0].result
+        if first is not None and handle.returns != "invokes+":
+            raise first
+        return carriers[0] if handle.returns == "invoke" else list(carriers)
 
     def edit(self, fn, inplace: bool = False):
         """Persistent edits do not run on a remote model: add the function to every trace's invokes instead."""

@@ -20,14 +20,13 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
-import inspect
-import textwrap
 
 from ..hooks.aliases import STANDARD
 from ..hooks.envoy import SEMANTIC_NAMES, Envoy, point
 from ..hooks.tl_names import NAMES as TL_NAMES
 from ..kernel.errors import ModulePathError
 from . import policy
+from .sources import parsed_source
 
 __all__ = ["ModuleTree", "check_names"]
 
@@ -92,8 +91,7 @@ def check_names(fn, tree: ModuleTree) -> None:
     if code is None or code.co_argcount < 1:
         return
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
-        tree_ = ast.parse(source)
+        _, tree_ = parsed_source(fn)
     except (OSError, TypeError, SyntaxError):
         return   # capture reports what it cannot read
     node = tree_.body[0] if tree_.body else None

@@ -181,7 +181,9 @@ class LiveJob:
                 self._by_id[ext] = inv
                 self.pending.add(ext)
             if self.intervened:
-                payload = [(internal.get(inv.index), inv.spec.fns, inv.spec.background) for inv in self.invokes]
+                # the job's own invoke specs, without their prompts (the engine has them), and each one's request
+                payload = {"requests": [internal.get(inv.index) for inv in self.invokes],
+                           "invokes": tuple(inv.spec.replace(input=None, captured=()) for inv in self.invokes)}
                 job = self.job
                 options = {"kind": job.kind, "on_error": job.on_error, "stop_per_invoke": job.stop_per_invoke}
                 if model.tp > 1:
@@ -369,8 +371,8 @@ def _dumps(payload) -> bytes:
             if callable(inner) and hasattr(inner, "__module__"):
                 collect(inner, depth + 1)
 
-    for _, fns, _ in payload:
-        for fn in fns:
+    for spec in payload["invokes"]:
+        for fn in spec.fns:
             collect(fn)
     registered = []
     for mod in modules:

@@ -61,7 +61,7 @@ from ... import aio
 from ...client import wire
 from ..jobs import errors, jobs_api, sessions
 from ..jobs.errors import RequestFailed
-from ..openai import choices, model_names, openai_compat, receipts, structured, tokenize_api
+from ..openai import batches as openai_batches, choices, model_names, openai_compat, receipts, structured, tokenize_api
 from ..openai import logprobs as logprob_fields
 from ..sandbox import ProgramCache, SandboxRefused, SandboxTimeout
 from ..sandbox.gradients import check_no_grad_refusal
@@ -213,18 +213,27 @@ class Server:
             *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
             *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
+            *openai_batches.routes(self),   # OpenAI's files and batches, runtime edits (on the kept-jobs store)
         ]
+        routes += self.durable.routes() if self.durable is not None else []   # kept jobs (serve/jobs/durable)
 
         async def http_error(request, exc):
             render = _openai_error_response if request.url.path.rstrip("/") in _OPENAI_PATHS else _error_response
             return render(errors.routing_failure(exc.status_code, exc.detail or "not found"))
 
+        async def startup():
+            if self.durable is not None:
+                await self.durable.start()
+
         async def shutdown():
+            if self.durable is not None:
+                await self.durable.aclose()
             await self.batcher.aclose()
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_shutdown=[shutdown]) \
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, on_startup=[startup],
+                         on_shutdown=[shutdown]) \
             if _takes_on_shutdown() else Starlette(routes=routes, exception_handlers={HTTPException: http_error},
-                                                    lifespan=_lifespan(shutdown))
+                                                    lifespan=_lifespan(shutdown, startup))
 
     def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
             allow_non_loopback: bool = False, **uvicorn_kwargs) -> None:
@@ -234,6 +243,8 @@ class Server:
                              "(and then put TLS and real authentication in front)")
         import uvicorn
         uvicorn.run(self.app, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
+
+    durable = None    # the kept-jobs service (serve/jobs/durable), when jobs are kept (--state-dir / --database)
 
     # ------------------------------------------------------------------ endpoint plumbing
     def _check_key(self, request):
@@ -750,7 +761,7 @@ class Server:
         return await self._respond(request, fields, call, lambda g: JSONResponse(shaper.response(g)))
 
     # the plumbing that endpoint modules registered beside these (jobs_api) share, by public names
-    read_body, decode_body, check_fields, request_timeout = _read_body, _decode, _fields, _timeout
+    read_body, decode_body, check_fields, request_timeout, openai_work = _read_body, _decode, _fields, _timeout, _openai
     check_input, check_new_tokens, guarded, respond, stream_events = _input, _check_new_tokens, _guarded, _respond, _stream
 
 
@@ -774,9 +785,11 @@ def _takes_on_shutdown():
     return "on_shutdown" in inspect.signature(Starlette.__init__).parameters
 
 
-def _lifespan(shutdown):
+def _lifespan(shutdown, startup=None):
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if startup is not None:
+            await startup()
         yield
         await shutdown()
     return lifespan

@@ -122,6 +122,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-memory-mb", type=int, default=4096,
                    help="with process isolation: MiB a worker may grow beyond its size at start (default 4096; "
                         "0: no limit)")
+    from ..jobs.durable.options import add_arguments as add_kept_job_arguments
+    add_kept_job_arguments(p)     # --state-dir, --database, --admin-key, --job-*, --quota-* (docs/jobs.md)
 
 
 _VLLM_FLAGS = ("tensor_parallel_size", "dtype", "max_model_len", "kv_cache_memory_bytes", "max_num_seqs",
@@ -260,6 +262,8 @@ def make_server(args, model, keys, log):
         load_interventions(server, path)
     from ..openai.model_names import install_from_options
     install_from_options(server, args.edit, args.lora_modules)   # after the interventions edits may name
+    from ..jobs.durable.options import attach as attach_kept_jobs
+    attach_kept_jobs(server, args)     # --state-dir / --database: jobs kept in a store (docs/jobs.md)
     if server.supervised:   # fork the workers now: after the interventions are registered, before any request
         server.batcher.start()
     if not keys:

@@ -50,8 +50,13 @@ KINDS = {
     "request": Kind(400, "BadRequest"),            # malformed body, unknown field, invalid input or parameters
     "refused": Kind(400, "SandboxRefused"),        # submitted code refused, or not accepted at all
     "auth": Kind(401, "Unauthorized", (("WWW-Authenticate", "Bearer"),)),
+    "forbidden": Kind(403, "Forbidden"),           # a valid key that may not do this (admin-only routes)
     "not_found": Kind(404, "NotFound"),            # unknown route or model (405 for a wrong method)
+    "conflict": Kind(409, "Conflict"),             # the thing exists but is not in a state that allows this
     "too_large": Kind(413, "PayloadTooLarge"),
+    "not_finished": Kind(409, "JobNotFinished"),    # a kept job's result asked for before it ended (serve/jobs/durable)
+    "quota": Kind(429, "QuotaExceeded"),           # a key's job quota (serve/jobs/durable/quotas.py), with Retry-After
+    "cancelled": Kind(409, "RunCancelled"),        # a kept job cancelled by its owner (DELETE /v1/jobs/ID)
     "intervention": Kind(422),                     # the intervention raised, or its result cannot be encoded
     "client_disconnect": Kind(499, "Cancelled"),   # logged only: nobody is left to read the answer
     "internal": Kind(500, "InternalError"),
@@ -101,7 +106,8 @@ RULES = (
 INTERVENTION_RAISED = Rule(BaseException, "intervention")
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                413: "invalid_request_error",
                 422: "intervention_error", 499: "client_disconnect", 503: "overloaded_error", 504: "timeout_error"}
 
 

@@ -43,6 +43,7 @@ from ...client.cache_wire import recorded_of
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
 from .job_wire import read_job
+from .durable.hook import submit_kept
 from ...client.protocol import incompatible, versions
 from ..scheduling.requests import Meter
 from ..sandbox.rebuild import DescriptionRefused, DescriptionTooLarge
@@ -56,6 +57,7 @@ _FIELDS = frozenset({"protocol", "asyncinterp", "python", "job", "timeout", "str
 _GENERATION_OPTIONS = ("stop", "do_sample", "temperature", "top_k", "top_p", "seed")
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 _FORWARD_KWARGS = frozenset({"logits_to_keep"})   # forward keyword arguments a job may give (ints)
+INLINE_CHECK_BYTES = 16 << 10   # jobs up to this size are read and checked on the event loop, without a thread hop
 MSGPACK = "application/msgpack"
 MSGPACK_STREAM = "application/x-msgpack-stream"
 
@@ -73,6 +75,8 @@ def model_versions() -> dict:
 async def _jobs(server, request):
     async def work(fields):
         obj = server.decode_body(await server.read_body(request))
+        if obj.pop("wait", True) is False:   # kept in the store, answered 202 with its id (serve/jobs/durable)
+            return await submit_kept(server, request, obj, fields)
         server.check_fields(obj, _FIELDS)
         _check_versions(obj)
         data = obj.get("job")
@@ -85,8 +89,12 @@ async def _jobs(server, request):
         # a supervised server only checks the job here (its worker rebuilds it, private copies included)
         sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
                             copies=not server.supervised) if server.allow_code else None
-        # checked and rebuilt in a thread: the event loop (health checks, other requests) stays free meanwhile
-        job = await aio.to_thread(_load, server, data, sandbox, timeout)
+        # a small job is checked here (a source seen before is checked once per process: well under a
+        # millisecond); a large one in a thread, so that the event loop (health checks, other requests) stays free
+        if len(data) <= INLINE_CHECK_BYTES:
+            job = _load(server, data, sandbox, timeout)
+        else:
+            job = await aio.to_thread(_load, server, data, sandbox, timeout)
         invokes, options = _checked(server, job)
         fields.update(kind=job.kind, invokes=len(invokes), intervention="job")
         if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
@@ -391,3 +399,8 @@ def _event(kind, ev) -> bytes:
         except wire.WireError:
             return wire.packb({**body, "results": _outcomes(kind, ev["result"])})
     return wire.packb(ev)
+
+
+# what a job kept in the store runs through (serve/jobs/durable): the same loading, checks and answers
+load_job, checked_job, outcomes_of, check_versions = _load, _checked, _outcomes, _check_versions
+tokenized_of = _tokenized

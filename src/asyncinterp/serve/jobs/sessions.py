@@ -42,6 +42,7 @@ import types
 
 from ... import aio
 from ...client import wire
+from .durable.hook import submit_kept
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
 from ..sandbox.rebuild import DescriptionRefused, DescriptionTooLarge, check_size, intervention, rebuild
@@ -214,6 +215,8 @@ async def session_endpoint(server, request):
             raise RequestFailed("refused", "this server does not accept submitted code (start it with "
                                            "--allow-code), so it runs no sessions")
         obj = server.decode_body(await server.read_body(request))
+        if obj.pop("wait", True) is False:   # kept in the store, answered 202 with its id (serve/jobs/durable)
+            return await submit_kept(server, request, obj, fields)
         server.check_fields(obj, {"capture", "session", "timeout"})
         timeout = server.request_timeout(obj)
         name = (obj.get("session") or {}).get("function") if isinstance(obj.get("session"), dict) else None

@@ -56,7 +56,7 @@ from .receipts import content_hash, function_hash
 __all__ = ["Adapter", "Edit", "ModelNames", "Selection", "install_edit", "load_edit_function",
            "parse_edit_option", "parse_lora_option"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NAME = NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 MAX_EDITS_PER_NAME = 8
 
 

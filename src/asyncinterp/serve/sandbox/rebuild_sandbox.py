@@ -20,9 +20,13 @@ as ``compile_source`` and wrap each entry point with :meth:`Sandboxed.entry`
 from __future__ import annotations
 
 import functools
+import threading
+import types
+from collections import OrderedDict
 
 import torch
 
+from ...client import policy
 from ...kernel.futures import Future
 from .checker import check_source
 from .clock import Clock
@@ -56,14 +60,14 @@ class Sandboxed:
         return SafeEnvoy(resolve(self.model, path), path == "")
 
     def __call__(self, source: str, filename: str, namespace: dict) -> None:
-        tree = check_source(source)
-        if needs_grad(tree):     # a gradient request: private copies stay on the graph, autograd on in its forwards
+        code, grad = _CHECKED.get(source)
+        if grad:     # a gradient request: private copies stay on the graph, autograd on in its forwards
             self.clock.grad = True
             for submitted in self.entries:
                 submitted.needs_grad = True
         filename = f"{SUBMITTED_PREFIX}{filename.strip('<>')}>"   # how the sandbox's tracebacks know its frames
         remember(filename, source)
-        code = compile(instrument(tree), filename, "exec")
+        code = _filed_as(code, filename)   # this job's own name (never another job's, which sent the same source)
         if self.copying:
             for name, value in list(namespace.items()):
                 if not isinstance(value, (Future, SafeEnvoy)) and name != "__name__":
@@ -93,6 +97,46 @@ class Sandboxed:
         submitted.needs_grad = clock.grad
         self.entries.append(submitted)
         return submitted
+
+
+class _CheckedSources:
+    """Checked, instrumented and compiled sources by their text: a sweep that sends the same function again and
+    again is checked once (per process), not on every request. Bounded by count and by total source size."""
+
+    def __init__(self, size: int = policy.PROGRAM_CACHE_SIZE, max_bytes: int = 16 << 20):
+        self.size, self.max_bytes = size, max_bytes
+        self.items = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, source: str):
+        """``(code, needs_grad)`` of ``source``: raises what :func:`check_source` raises for a refused one."""
+        with self.lock:
+            hit = self.items.get(source)
+            if hit is not None:
+                self.items.move_to_end(source)
+                return hit
+        tree = check_source(source)
+        grad = needs_grad(tree)
+        hit = (compile(instrument(tree), _UNFILED, "exec"), grad)
+        with self.lock:
+            if source not in self.items:
+                self.items[source] = hit
+                self.bytes += len(source)
+            while len(self.items) > self.size or self.bytes > self.max_bytes:
+                old, _ = self.items.popitem(last=False)
+                self.bytes -= len(old)
+        return hit
+
+
+_UNFILED = "<submitted, not yet filed>"
+_CHECKED = _CheckedSources()
+
+
+def _filed_as(code, filename: str):
+    """``code`` (and the functions defined in it) under ``filename``, for its tracebacks and linecache."""
+    consts = tuple(_filed_as(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def _private(value, memo=None):

@@ -190,9 +190,16 @@ class Supervisor(aio.Closable):
         self.loop = None            # the server's event loop (what workers are sent is read there, in_server_loop)
         self.closed = False
         # requests on their way (received, not yet submitted): told to the workers, whose batches wait only for them
+        self._relayed_some = False
         self.arrivals = Arrivals(threading.Condition(), self._relay_arrivals)
 
     def _relay_arrivals(self, count: int) -> None:
+        # a worker's batch waits while anything is on its way: only the turns between none and some matter
+        some = count > 0
+        with self.counts_lock:
+            if some == self._relayed_some:
+                return
+            self._relayed_some = some
         for pool in self.pools.values():
             pool.relay_arrivals(count)
 
@@ -315,8 +322,8 @@ class Supervisor(aio.Closable):
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
         ticket = Ticket("job", {"job": data, "stream": stream, "inputs": inputs}, timeout,
                         min(self.server.code_budget, timeout) if code else 0.0, guard)
+        arrived()   # before the ticket: in the worker it is on its way until submitted there (Worker._arriving)
         pool.submit(ticket)
-        arrived()   # after the ticket: a worker hears of it before it hears that one fewer is on its way
         return ticket
 
     async def session(self, body: dict, timeout: float | None = None):
@@ -365,8 +372,8 @@ class Supervisor(aio.Closable):
             pool.edits_installed(edits)
         job = Ticket(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
                   guard)
-        pool.submit(job)
         arrived()
+        pool.submit(job)
         return job
 
     async def _wait(self, job: Ticket):

@@ -1,0 +1,99 @@
+"""What runs a kept job, by kind: the same code as the blocking request of that kind.
+
+Why: a job submitted without waiting must give exactly what the blocking request gives (the same
+checks, sandbox, batching, answer), so each kind here calls the code of its endpoint:
+
+* ``trace`` and ``generate``: a whole job (:mod:`..jobs_api`: ``POST /v1/jobs``), run as one group of
+  the batcher (or of the worker processes of a supervised server), streamed so that a generation's
+  tokens become its progress; the answer is ``{"ok": true, "results": [...]}``;
+* ``session``: a captured ``async def session(model)`` (:mod:`..sessions`); the answer is
+  ``{"ok": true, "result": value}``.
+
+A runner is ``async def run(server, body, timeout, progress) -> answer``; it raises as the endpoint
+would (the error map and status are the endpoint's, :mod:`..errors`). :func:`register_kind` adds one
+(e.g. a batch of OpenAI requests). Each run starts from the job's wire form, so a job run again after
+its server died starts from its start.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .... import aio
+from ....client import wire
+from .. import jobs_api
+from ..errors import RequestFailed
+from ...sandbox.rebuild_sandbox import Sandboxed
+from ...scheduling.requests import Meter
+from ..sessions import load_session
+
+__all__ = ["KINDS", "register_kind", "job_kind"]
+
+
+def job_kind(obj) -> str:
+    """The kind of a submitted body (``POST /v1/jobs``: from its job; ``POST /v1/sessions``: ``session``)."""
+    if "session" in obj:
+        return "session"
+    body = wire.unpackb(obj["job"], wire.answer_limits(len(obj["job"]))) if isinstance(obj.get("job"), bytes) else {}
+    kind = body.get("kind", "trace") if isinstance(body, dict) else "trace"
+    return kind if kind in ("trace", "generate") else "trace"
+
+
+async def run_job(server, body: bytes, timeout: float, progress) -> dict:
+    obj = server.decode_body(body)
+    data = obj["job"]
+    sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
+                        copies=not server.supervised) if server.allow_code else None
+    job = await aio.to_thread(jobs_api.load_job, server, data, sandbox, timeout)
+    invokes, options = jobs_api.checked_job(server, job)
+    total = options.get("max_new_tokens")
+    if server.supervised:
+        code = any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
+        events = server.batcher.stream_job(data, code=code, timeout=timeout,
+                                           inputs=jobs_api.tokenized_of(job, invokes))   # tokenized once, here
+        encode = None
+    else:
+        meter, on_cancel = Meter(), None
+        if sandbox is not None:
+            meter = sandbox.clock
+
+            def on_cancel():
+                sandbox.clock.cancelled = True
+        events = server.batcher.stream_group(job.kind, invokes, timeout=timeout, on_cancel=on_cancel, meter=meter,
+                                             on_error=job.on_error, **options)
+        encode = job.kind
+    steps = {}
+    try:
+        async for ev in events:
+            if ev["event"] == "done":
+                results = ev["result"] if encode is None else jobs_api.outcomes_of(encode, ev["result"])
+                return {"ok": True, "results": results}
+            if ev["event"] == "token":
+                steps[ev.get("invoke", 0)] = ev.get("step", 0) + 1
+                progress({"step": min(steps.values()), "of": total, "invokes": len(invokes)})
+    finally:
+        await events.aclose()
+    raise RequestFailed("internal", "the job's stream ended without its answer")
+
+
+async def run_session(server, body: bytes, timeout: float, progress) -> dict:
+    if not server.allow_code:
+        raise RequestFailed("refused", "this server does not accept submitted code (start it with --allow-code), "
+                                       "so it runs no sessions")
+    obj = server.decode_body(body)
+    run = await aio.to_thread(load_session, server, obj, server.batcher, timeout, server.supervised)
+    if server.supervised:
+        value = await server.batcher.session(obj, timeout)
+    else:
+        value = await run()
+    return {"ok": True, "result": value}
+
+
+KINDS = {"trace": run_job, "generate": run_job, "session": run_session}
+
+
+def register_kind(kind: str, run) -> None:
+    """Run kept jobs of ``kind`` with ``run(server, body, timeout, progress)`` (an ``async def``)."""
+    if kind in KINDS and KINDS[kind] is not run:
+        raise ValueError(f"a job kind {kind!r} is already registered")
+    KINDS[kind] = run
