@@ -78,7 +78,7 @@ def test_submitted_trace_of_several_invokes_and_await(server):
     tr = model.trace()
     one = tr.invoke("The Eiffel Tower is in", last)
     two = tr.invoke("The Colosseum is in", last)
-    job = model.submit(run)
+    job = model.submit(tr)
 
     async def main():
         return await job
@@ -182,7 +182,7 @@ def test_quotas_answer_429_naming_the_quota(server):
 
 def _job_bytes(server):
     from asyncinterp.client.job_form import dumps_job
-    run = ai.remote(server.url, api_key=D, check_modules=False).trace()
+    tr = ai.remote(server.url, api_key=D, check_modules=False).trace()
     tr.invoke("The Eiffel Tower is in", last)
     return dumps_job(tr.job)
 

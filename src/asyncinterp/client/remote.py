@@ -280,14 +280,14 @@ class RemoteModel:
         return httpx.Timeout(t + 10.0, connect=10.0)
 
     # ------------------------------------------------------------------ kept jobs (docs/jobs.md)
-    def submit(self, run: Trace):
+    def submit(self, tr: Trace):
         """Submit a trace built with ``tr = lm.trace()`` / ``tr.invoke(...)`` without waiting: a job handle
         whose ``result()`` is the list of its invokes."""
-        if not isinstance(run, Trace) or run.model is not self:
+        if not isinstance(tr, Trace) or tr.model is not self:
             raise TypeError("submit takes a trace of this remote model (`tr = lm.trace(); tr.invoke(x, fn)`)")
-        return self._submit(run, "invokes" if run.on_error == "stop" else "invokes+")
+        return self._submit(tr, "invokes" if tr.on_error == "stop" else "invokes+")
 
-    def _submit(self, run: Trace, returns: str):
+    def _submit(self, tr: Trace, returns: str):
         self.info()   # the version check, once
         job = tr.job
         body = {**self.versions, "job": dumps_job(job), "wait": False, "returns": returns}
