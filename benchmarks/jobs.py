@@ -45,9 +45,9 @@ KEY = "bench-key"
 
 def job_body(url) -> bytes:
     lm = _remote.remote(url, api_key=KEY)
-    run = lm.trace()
-    run.invoke("The Eiffel Tower is in the city of", lm.registered("top_k", k=5))
-    return wire.packb({**lm.versions, "job": dumps_job(run.job), "wait": False})
+    tr = lm.trace()
+    tr.invoke("The Eiffel Tower is in the city of", lm.registered("top_k", k=5))
+    return wire.packb({**lm.versions, "job": dumps_job(tr.job), "wait": False})
 
 
 async def submit_all(url, body, n, concurrency):

@@ -172,14 +172,14 @@ def make_cases(spec, with_nnsight):
         h[:] = 0
 
     def ai_inv8():
-        with model.trace() as run:
-            invs = [run.invoke(xi, ai_read1) for xi in xs]
+        with model.trace() as tr:
+            invs = [tr.invoke(xi, ai_read1) for xi in xs]
         return [inv.result for inv in invs]
 
     def ai_edit_output():  # correctness only: the model output after the edit
-        with model.trace() as run:
-            run.invoke(x, ai_edit)
-        return out_of(run.output)
+        with model.trace() as tr:
+            tr.invoke(x, ai_edit)
+        return out_of(tr.output)
 
     # --- hand-written hooks (the floor) ---
     def hooks_read1(inp=x):
@@ -459,8 +459,8 @@ def identity_cases(ai, module=None, xs=None):
         return await m.output
 
     def inv8():
-        with model.trace() as run:
-            invs = [run.invoke(xi, read) for xi in xs]
+        with model.trace() as tr:
+            invs = [tr.invoke(xi, read) for xi in xs]
         return [inv.result for inv in invs]
 
     return {"id-plain": lambda: module(x), "id-empty": lambda: model.trace(x, empty),

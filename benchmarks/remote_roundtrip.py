@@ -109,9 +109,9 @@ def _cases(model):
             h[:, -1] = await clean
             return (await m.lm_head.output)[:, -1].softmax(-1)
 
-        with lm.trace() as run:
-            run.invoke(PROMPT, record)
-            p = run.invoke(OTHER, patch)
+        with lm.trace() as tr:
+            tr.invoke(PROMPT, record)
+            p = tr.invoke(OTHER, patch)
         return p.result
 
     async def steer(m):

@@ -142,8 +142,8 @@ def main(argv=None) -> int:
 
     def ai_run(fn):
         def go():
-            with model.generate(max_new_tokens=ns.tokens, ignore_eos=True) as run:
-                invs = [run.invoke(p, *([fn] if fn else [])) for p in prompts]
+            with model.generate(max_new_tokens=ns.tokens, ignore_eos=True) as tr:
+                invs = [tr.invoke(p, *([fn] if fn else [])) for p in prompts]
             return sum(len(i.token_ids) for i in invs)
         return go
 

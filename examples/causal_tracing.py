@@ -32,8 +32,8 @@ states = model.trace(clean, record)
 tokens = [model.decode([t]) for t in model.tokenizer(clean)["input_ids"]]
 table = []
 for pos in range(len(tokens)):
-    with model.trace() as run:                      # one forward pass, one invoke per layer
-        invokes = [run.invoke(corrupt, patch(layer, states[i], pos), logits_to_keep=1)
+    with model.trace() as tr:                      # one forward pass, one invoke per layer
+        invokes = [tr.invoke(corrupt, patch(layer, states[i], pos), logits_to_keep=1)
                    for i, layer in enumerate(layers)]
     table.append([inv.result for inv in invokes])
 

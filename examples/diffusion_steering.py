@@ -55,9 +55,9 @@ async def steer(m):
     return norms
 
 
-with model.generate(num_inference_steps=args.steps, seed=1, height=8, width=8, **extra) as run:
-    before = run.invoke("a quiet lake")
-    after = run.invoke("a quiet lake", steer)
+with model.generate(num_inference_steps=args.steps, seed=1, height=8, width=8, **extra) as tr:
+    before = tr.invoke("a quiet lake")
+    after = tr.invoke("a quiet lake", steer)
 
 out = pathlib.Path(args.out) if args.out else pathlib.Path(tempfile.mkdtemp(prefix="asyncinterp-diffusion-"))
 out.mkdir(parents=True, exist_ok=True)

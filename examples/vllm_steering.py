@@ -59,11 +59,11 @@ def main():
         return tops
 
     prompts = ["Today I feel", "The weather is", "My favourite food is"]
-    with model.generate(max_new_tokens=args.tokens) as run:
-        plain = [run.invoke(p, watch) for p in prompts]
-    with model.generate(max_new_tokens=args.tokens) as run:
-        mixed = [run.invoke(prompts[0], steer), run.invoke(prompts[1], watch),
-                 run.invoke(prompts[2], watch, temperature=0.0)]
+    with model.generate(max_new_tokens=args.tokens) as tr:
+        plain = [tr.invoke(p, watch) for p in prompts]
+    with model.generate(max_new_tokens=args.tokens) as tr:
+        mixed = [tr.invoke(prompts[0], steer), tr.invoke(prompts[1], watch),
+                 tr.invoke(prompts[2], watch, temperature=0.0)]
     print(f"\nsteering layer {layer} of request 0 only:")
     for p, a, b in zip(prompts, plain, mixed):
         print(f"  {p!r:24} plain: {a.text!r}\n  {'':24} run:   {b.text!r}")

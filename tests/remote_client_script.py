@@ -54,9 +54,9 @@ def patching(lm):
         h[:, -1] = (await clean)[:, -1]
         return (await m.lm_head.output)[:, -1].softmax(-1)
 
-    with lm.trace() as run:
-        run.invoke(PROMPT, record)
-        patched = run.invoke("The Colosseum is in the city of", patch)
+    with lm.trace() as tr:
+        tr.invoke(PROMPT, record)
+        patched = tr.invoke("The Colosseum is in the city of", patch)
     return patched.result
 
 

@@ -32,9 +32,9 @@ def test_attached_points_per_invoke_and_errors():
         m.probe(h)
         return (await acts).clone()
 
-    with model.trace() as run:
-        a = run.invoke(x[:2], read_probe)
-        b = run.invoke(x[2:], read_probe)
+    with model.trace() as tr:
+        a = tr.invoke(x[:2], read_probe)
+        b = tr.invoke(x[2:], read_probe)
     # rows of a batch of 5 against those rows alone: float32 tolerances (BLAS may pick other kernels)
     torch.testing.assert_close(a.result, probe(net(x[:2])))
     torch.testing.assert_close(b.result, probe(net(x[2:])))
@@ -95,9 +95,9 @@ def test_attached_children_read_before_the_run_stay_per_invoke():
         return (await pre).clone()
 
     x = torch.randn(5, 4)
-    with model.trace() as run:
-        a = run.invoke(x[:2], read_encoder)
-        b = run.invoke(x[2:], read_encoder)
+    with model.trace() as tr:
+        a = tr.invoke(x[:2], read_encoder)
+        b = tr.invoke(x[2:], read_encoder)
     torch.testing.assert_close(a.result, sae.encoder(net(x[:2])))
     torch.testing.assert_close(b.result, sae.encoder(net(x[2:])))
 

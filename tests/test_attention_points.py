@@ -66,8 +66,8 @@ def test_pattern_and_z_per_invoke_with_padding_equal_solo(lm):
         return {"pattern": (await m.layers[1].attn.pattern).clone(), "z": (await m.layers[1].attn.z).clone(),
                 "logits": (await m.logits).clone()}
     with torch.no_grad():
-        with lm.trace() as run:
-            invs = [run.invoke(p, fn) for p in prompts]
+        with lm.trace() as tr:
+            invs = [tr.invoke(p, fn) for p in prompts]
         solo = [lm.trace(p, fn) for p in prompts]
     for inv, alone in zip(invs, solo):
         n = alone["z"].shape[1]
@@ -83,9 +83,9 @@ def test_z_edit_of_one_invoke_leaves_the_other(lm):
         return (await m.logits).clone()
 
     with torch.no_grad():
-        with lm.trace() as run:
-            a = run.invoke("The quick brown fox", ablate)
-            b = run.invoke("Hello", _noop)
+        with lm.trace() as tr:
+            a = tr.invoke("The quick brown fox", ablate)
+            b = tr.invoke("Hello", _noop)
         plain_b = lm.trace("Hello", _noop)
         solo_a = lm.trace("The quick brown fox", ablate)
         plain_a = lm.trace("The quick brown fox", _noop)

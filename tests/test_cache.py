@@ -68,9 +68,9 @@ def test_cache_in_invokes_sees_own_rows_and_composes(net):
         h = await m.layers[1].output
         h[:] = 0
 
-    with model.trace() as run:
-        run.invoke(x1, c1, ablate)
-        run.invoke(x2, c2)
+    with model.trace() as tr:
+        tr.invoke(x1, c1, ablate)
+        tr.invoke(x2, c2)
     full = {}
     h1 = net.layers[1].register_forward_hook(lambda m, a, o: (o[:2].zero_(), None)[1])
     h4 = net.layers[4].register_forward_hook(lambda m, a, o: full.setdefault("o", o.detach()))
@@ -218,8 +218,8 @@ def test_steps_option_records_only_those_generation_steps():
     later = ai.Cache(["lm_head"], steps=slice(1, None))
     odd = ai.Cache(["lm_head"], steps=range(1, 10, 2))
     one = ai.Cache(["lm_head"], steps=2)
-    with lm.generate(max_new_tokens=4) as run:
-        run.invoke("Hello world", every, later, odd, one)
+    with lm.generate(max_new_tokens=4) as tr:
+        tr.invoke("Hello world", every, later, odd, one)
     assert every.steps_of("lm_head.output") == [0, 1, 2, 3]
     assert later.steps_of("lm_head.output") == [1, 2, 3]
     assert odd.steps_of("lm_head.output") == [1, 3]

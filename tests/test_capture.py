@@ -36,9 +36,9 @@ def _same(a, b):
 def _local_and_dry(model, build):
     with model.trace() as local:
         build(local)
-    run = model.trace()
-    build(run)
-    back = dry_run(model, run)
+    tr = model.trace()
+    build(tr)
+    back = dry_run(model, tr)
     return [inv.result for inv in local.invokes], [inv.result for inv in back.results]
 
 
@@ -52,7 +52,7 @@ def test_a_closure_over_a_steering_tensor(mlp):
         m.layers[2].output = h + 3 * steer
         return (await m.layers[5].output).clone()
 
-    local, dry = _local_and_dry(model, lambda run: run.invoke(x, steered))
+    local, dry = _local_and_dry(model, lambda tr: tr.invoke(x, steered))
     _same(local[0], dry[0])
     assert not torch.allclose(dry[0], model.trace(x, lambda_free_read))   # the steering did something
 
@@ -64,7 +64,7 @@ async def lambda_free_read(m):
 def test_a_module_constant_and_a_helper_function(mlp):
     model = ai.wrap(mlp)
     x = torch.randn(3, 8)
-    local, dry = _local_and_dry(model, lambda run: run.invoke(x, scaled))
+    local, dry = _local_and_dry(model, lambda tr: tr.invoke(x, scaled))
     _same(local[0], dry[0])
     desc = describe(scaled)
     names = [f["name"] for f in desc["functions"]]
@@ -78,7 +78,7 @@ def test_two_invokes_share_a_future_activation_patching(mlp):
     model = ai.wrap(mlp)
     clean, corrupted = torch.randn(1, 8), torch.randn(1, 8)
 
-    def build(run):
+    def build(tr):
         handoff = ai.Future()
 
         async def read_clean(m):
@@ -89,15 +89,15 @@ def test_two_invokes_share_a_future_activation_patching(mlp):
             m.layers[2].output = await handoff
             return (await m.layers[5].output).clone()
 
-        run.invoke(clean, read_clean)
-        run.invoke(corrupted, patch_corrupted)
+        tr.invoke(clean, read_clean)
+        tr.invoke(corrupted, patch_corrupted)
 
     local, dry = _local_and_dry(model, build)
     _same(local[1], dry[1])
     _same(dry[1], model.trace(clean, lambda_free_read))   # patched at layer 2 = the clean run downstream
-    run = model.trace()
-    build(run)
-    assert len(wire.unpackb(dumps_job(run.job))["capture"]["futures"]) == 1   # one future, shared
+    tr = model.trace()
+    build(tr)
+    assert len(wire.unpackb(dumps_job(tr.job))["capture"]["futures"]) == 1   # one future, shared
 
 
 def test_generation_with_per_step_control_over_a_list_of_steps():
@@ -115,9 +115,9 @@ def test_generation_with_per_step_control_over_a_list_of_steps():
         return step
 
     local = lm.generate(prompt, force_on_chosen, max_new_tokens=5)
-    run = lm.generate(max_new_tokens=5)
-    run.invoke(prompt, force_on_chosen)
-    back = dry_run(lm, run)
+    tr = lm.generate(max_new_tokens=5)
+    tr.invoke(prompt, force_on_chosen)
+    back = dry_run(lm, tr)
     assert back.results[-1].tokens.tolist() == local.tokens.tolist()
     assert [local.tokens.tolist()[i] for i in chosen] == [7, 7]
     assert back.results[-1].result == local.result
@@ -130,11 +130,11 @@ def test_a_closure_over_a_file_handle_is_a_client_side_type_error(mlp):
             handle.readline()
             return await m.layers[1].output
 
-        run = model.trace()
-        run.invoke(torch.randn(1, 8), reads_a_file)
+        tr = model.trace()
+        tr.invoke(torch.randn(1, 8), reads_a_file)
         with pytest.raises(TypeError, match=r"invoke 0 of the job: .*reads_a_file reads 'handle' \(.*line \d+\), "
                                             r"a _io.TextIOWrapper, which cannot travel"):
-            dumps_job(run.job)
+            dumps_job(tr.job)
 
 
 def test_a_tensor_referenced_twice_travels_once():
@@ -197,10 +197,10 @@ def test_what_a_job_shares_is_shared_after_the_trip(mlp):
     async def b(m):
         return steer
 
-    run = model.trace()
-    run.invoke(torch.randn(1, 8), a)
-    run.invoke(torch.randn(1, 8), b)
-    back = loads_job(dumps_job(run.job), compile_source=checked)
+    tr = model.trace()
+    tr.invoke(torch.randn(1, 8), a)
+    tr.invoke(torch.randn(1, 8), b)
+    back = loads_job(dumps_job(tr.job), compile_source=checked)
     fa, fb = back.invokes[0].fns[0], back.invokes[1].fns[0]
     assert fa.__globals__["steer"] is fb.__globals__["steer"]          # one tensor on the other side
     assert fa.__globals__["steer"] is not steer and torch.equal(fa.__globals__["steer"], steer)   # a fresh copy
@@ -217,7 +217,7 @@ def test_a_partial_with_keywords_travels(mlp):
         return (await m.layers[5].output).clone()
 
     fn = functools.partial(add, vec=torch.randn(16))
-    local, dry = _local_and_dry(model, lambda run: run.invoke(x, fn))
+    local, dry = _local_and_dry(model, lambda tr: tr.invoke(x, fn))
     _same(local[0], dry[0])
 
 
@@ -232,19 +232,19 @@ def test_a_server_rebuilds_in_the_sandbox_and_gets_the_local_result(mlp):
         m.layers[2].output = halve(h) + steer
         return (await m.layers[5].output).clone()
 
-    run = model.trace()
-    run.invoke(x, steered)
-    back = loads_job(dumps_job(run.job), compile_source=Sandboxed())
+    tr = model.trace()
+    tr.invoke(x, steered)
+    back = loads_job(dumps_job(tr.job), compile_source=Sandboxed())
     model.engine("trace").start(back).wait()
     _same(model.trace(x, steered), back.results[0].result)
 
     async def escapes(m):
         return open("/etc/passwd").read()
 
-    run = model.trace()
-    run.invoke(x, escapes)
+    tr = model.trace()
+    tr.invoke(x, escapes)
     with pytest.raises(SandboxRefused, match="open"):
-        loads_job(dumps_job(run.job), compile_source=Sandboxed())
+        loads_job(dumps_job(tr.job), compile_source=Sandboxed())
 
 
 def test_a_future_shared_between_invokes_works_in_the_sandbox(mlp):
@@ -261,10 +261,10 @@ def test_a_future_shared_between_invokes_works_in_the_sandbox(mlp):
         m.layers[2].output = await handoff
         return (await m.layers[5].output).clone()
 
-    run = model.trace()
-    run.invoke(clean, read_clean)
-    run.invoke(corrupted, patch_corrupted)
-    back = loads_job(dumps_job(run.job), compile_source=Sandboxed())
+    tr = model.trace()
+    tr.invoke(clean, read_clean)
+    tr.invoke(corrupted, patch_corrupted)
+    back = loads_job(dumps_job(tr.job), compile_source=Sandboxed())
     model.engine("trace").start(back).wait()
     _same(back.results[1].result, model.trace(clean, lambda_free_read))
 
@@ -285,7 +285,7 @@ def test_helpers_calling_each_other_are_captured_once(mlp):
         h = await m.layers[1].output
         return h * (2.0 if even(4) else -1.0)
 
-    local, dry = _local_and_dry(model, lambda run: run.invoke(x, parity))
+    local, dry = _local_and_dry(model, lambda tr: tr.invoke(x, parity))
     _same(local[0], dry[0])
     assert sorted(f["name"] for f in describe(parity)["functions"]) == ["even", "odd", "parity"]
 
@@ -314,10 +314,10 @@ def test_what_a_server_would_refuse_shows_in_the_dry_run(mlp):
         describe(writes_outer)
     with pytest.raises(TypeError, match=r"dunder reads '__file__'"):
         describe(dunder)
-    run = model.trace()
-    run.invoke(torch.randn(1, 8), opens)
+    tr = model.trace()
+    tr.invoke(torch.randn(1, 8), opens)
     with pytest.raises(SandboxRefused, match="open"):
-        dry_run(model, run)
+        dry_run(model, tr)
 
 
 def test_source_that_does_not_parse_here_names_both_pythons():

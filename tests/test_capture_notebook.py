@@ -46,9 +46,9 @@ def _check_travels(model, steered):
     assert desc["functions"][1]["values"]["SCALE"] == ["=", 0.5]
     x = torch.randn(2, 4)
     local = model.trace(x, steered)
-    run = model.trace()
-    run.invoke(x, steered)
-    assert torch.allclose(dry_run(model, run).results[0].result, local, atol=1e-6)
+    tr = model.trace()
+    tr.invoke(x, steered)
+    assert torch.allclose(dry_run(model, tr).results[0].result, local, atol=1e-6)
 
 
 def test_functions_from_linecache_only_cells_travel_with_helpers_from_other_cells(model):

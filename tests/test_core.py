@@ -245,9 +245,9 @@ def test_several_failing_interventions_raise_an_exception_group(mlp):
         raise ValueError("two")
 
     with pytest.raises(ExceptionGroup) as info:
-        with model.trace() as run:
-            run.invoke(torch.randn(1, 8), boom1)
-            run.invoke(torch.randn(1, 8), boom2)
+        with model.trace() as tr:
+            tr.invoke(torch.randn(1, 8), boom1)
+            tr.invoke(torch.randn(1, 8), boom2)
     types = sorted(type(e).__name__ for e in info.value.exceptions)
     assert types == ["KeyError", "ValueError"]
     assert hook_count(mlp) == 0
@@ -291,10 +291,10 @@ def test_invokes_different_batch_sizes_and_whole_batch(mlp):
         h[:] = 0
         return (await m.output).clone()
 
-    with model.trace() as run:
-        a = run.invoke(xa, read)
-        b = run.invoke(xb, zero_mine)
-        whole = run.invoke(read)  # no input: sees the whole batch
+    with model.trace() as tr:
+        a = tr.invoke(xa, read)
+        b = tr.invoke(xb, zero_mine)
+        whole = tr.invoke(read)  # no input: sees the whole batch
     assert torch.equal(a.result, ref[:2])
     assert torch.equal(whole.result[:2], ref[:2])  # invoke 1 ran after invoke 0; both see the pre-edit rows 0-1
     assert torch.equal(whole.result[2:], torch.zeros(3, 16))  # whole-batch invoke runs after invoke 1's edit
@@ -316,9 +316,9 @@ def test_replacement_touches_only_own_rows(mlp):
     async def out(m):
         return await m.output
 
-    with model.trace() as run:
-        a = run.invoke(xa, replace_mine)
-        b = run.invoke(xb, out)
+    with model.trace() as tr:
+        a = tr.invoke(xa, replace_mine)
+        b = tr.invoke(xb, out)
     assert torch.allclose(b.result, mlp(xb), atol=1e-6)
     h = mlp.layers[2].register_forward_hook(lambda mod, a_, o: torch.full((2, 16), 0.5))
     ref = mlp(xa)
@@ -339,9 +339,9 @@ def test_share_value_from_invoke_a_to_b_at_same_point(mlp):
     async def record(m):
         clean.set_result((await m.layers[2].output).clone())
 
-    with model.trace() as run:
-        p = run.invoke(xb, patch)
-        run.invoke(xa, record)
+    with model.trace() as tr:
+        p = tr.invoke(xb, patch)
+        tr.invoke(xa, record)
     ref_h, _ = reference_read(mlp, mlp.layers[2], xa)
     h = mlp.layers[2].register_forward_hook(lambda mod, a_, o: ref_h)
     ref = mlp(xb)
@@ -516,7 +516,7 @@ def test_several_failures_including_a_base_exception_are_grouped():
         raise ValueError("plain")
 
     with pytest.raises(BaseExceptionGroup) as info:
-        with model.trace() as run:
-            run.invoke(torch.randn(1, 2), raises_base)
-            run.invoke(torch.randn(1, 2), raises_plain)
+        with model.trace() as tr:
+            tr.invoke(torch.randn(1, 2), raises_base)
+            tr.invoke(torch.randn(1, 2), raises_plain)
     assert {type(e) for e in info.value.exceptions} == {Stop, ValueError}

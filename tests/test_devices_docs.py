@@ -13,7 +13,7 @@ def test_devices_page_runs(capsys):
     out = capsys.readouterr().out
     assert "(torch.bfloat16, torch.bfloat16)" in out
     assert "has dtype torch.float16 but the value it replaces has torch.float32" in out
-    assert ns["run"].output.dtype == torch.float16
+    assert ns["tr"].output.dtype == torch.float16
     assert ns["shapes"]["2.output"].device.type == "meta"
 
 
@@ -77,9 +77,9 @@ def test_float16_replacement_into_float32_point():
     async def last(m):
         y = await m[2].output
         m[2].output.replace(y.half(), dtype_change=True)
-    with model.trace() as run:
-        run.invoke(x, last)
-    assert run.output.dtype == torch.float16
+    with model.trace() as tr:
+        tr.invoke(x, last)
+    assert tr.output.dtype == torch.float16
 
     async def other_device(m):
         h = await m[0].output

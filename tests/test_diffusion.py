@@ -82,9 +82,9 @@ def _lat_cb(store):
 def test_batched_equals_solo(case):
     model, pipe, kw, block, _ = case
     fn = record(block)
-    with model.generate(num_inference_steps=STEPS, num_images_per_prompt=2, output_type="np", **kw) as run:
-        a = run.invoke("a cat", fn, seed=1)
-        b = run.invoke(["a dog", "a bird"], fn, seed=2)
+    with model.generate(num_inference_steps=STEPS, num_images_per_prompt=2, output_type="np", **kw) as tr:
+        a = tr.invoke("a cat", fn, seed=1)
+        b = tr.invoke(["a dog", "a bird"], fn, seed=2)
     solo_a = model.generate("a cat", fn, num_inference_steps=STEPS, num_images_per_prompt=2, seed=1,
                             output_type="np", **kw)
     solo_b = model.generate(["a dog", "a bird"], fn, num_inference_steps=STEPS, num_images_per_prompt=2, seed=2,
@@ -110,9 +110,9 @@ def test_block_edit_at_step_k_equals_hand_written_hook(case, k):
             if step == k:
                 h += 0.5
 
-    with model.generate(num_inference_steps=STEPS, output_type="np", **kw) as run:
-        edited = run.invoke("a cat", edit, seed=1)
-        plain = run.invoke("a dog", seed=2)
+    with model.generate(num_inference_steps=STEPS, output_type="np", **kw) as tr:
+        edited = tr.invoke("a cat", edit, seed=1)
+        plain = tr.invoke("a dog", seed=2)
 
     calls = [0]
 
@@ -192,13 +192,13 @@ def test_text_encoder_rows_per_prompt(case):
             await m.text_encoder.encoder.final_layer_norm.output
         return (out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)).clone()
 
-    with model.generate(num_inference_steps=1, num_images_per_prompt=2, **kw) as run:
-        a = run.invoke("a cat", enc, seed=1)
-        b = run.invoke(["a dog", "a bird"], enc, seed=2)
+    with model.generate(num_inference_steps=1, num_images_per_prompt=2, **kw) as tr:
+        a = tr.invoke("a cat", enc, seed=1)
+        b = tr.invoke(["a dog", "a bird"], enc, seed=2)
     solo = model.generate(["a dog", "a bird"], enc, num_inference_steps=1, num_images_per_prompt=2, seed=2, **kw)
     assert a.result.shape[0] == 1 and b.result.shape[0] == 2
     torch.testing.assert_close(b.result, solo.result, atol=1e-5, rtol=0)
-    assert run.layout.prompt_spans == [slice(0, 1), slice(1, 3)] and run.layout.cfg_spans[1] == slice(4, 12)
+    assert tr.layout.prompt_spans == [slice(0, 1), slice(1, 3)] and tr.layout.cfg_spans[1] == slice(4, 12)
 
 
 def test_break_keeps_denoising_and_stop_ends_the_call(case):

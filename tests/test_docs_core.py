@@ -16,9 +16,9 @@ def test_design_page_worked_example_runs():
     ns = run_page("design.md")
     assert ns["norms"].shape == (3,)
     model, x = ns["model"], ns["x"]
-    with model.trace() as run:   # per invoke: each sees its own rows
-        a = run.invoke(x[:1], ns["read_norms"])
-        b = run.invoke(x[1:], ns["read_norms"])
+    with model.trace() as tr:   # per invoke: each sees its own rows
+        a = tr.invoke(x[:1], ns["read_norms"])
+        b = tr.invoke(x[1:], ns["read_norms"])
     assert a.result.shape == (1,) and b.result.shape == (2,)
     import torch
     assert torch.allclose(torch.cat([a.result, b.result]), ns["norms"])

@@ -74,9 +74,9 @@ def test_edit_applies_to_every_invoke_row(net):
     async def out(m):
         return await m.output
 
-    with edited.trace() as run:
-        a = run.invoke(x1, out)
-        b = run.invoke(x2, out)
+    with edited.trace() as tr:
+        a = tr.invoke(x1, out)
+        b = tr.invoke(x2, out)
     full = _hooked(net, torch.cat([x1, x2]))
     assert torch.equal(a.result, full[:2]) and torch.equal(b.result, full[2:])
 

@@ -47,8 +47,8 @@ def test_unknown_keywords_on_a_language_model_are_refused(llama, kwargs, word):
     if word == "images":
         assert "VisionLanguageModel" in message
     with pytest.raises(TypeError, match=word):       # and through invokes
-        with lm.trace() as run:
-            run.invoke(PROMPT, logits, **kwargs)
+        with lm.trace() as tr:
+            tr.invoke(PROMPT, logits, **kwargs)
 
 
 def test_unknown_keywords_on_a_wrapped_transformers_model_are_refused(llama):

@@ -522,9 +522,9 @@ def test_break_out_of_steps_ends_the_generation(lm, reference):
     async def all_steps(m):
         return len([s async for s in m.steps()])
 
-    with lm.generate(max_new_tokens=6) as run:
-        a = run.invoke(PROMPT, until_step_2)
-        b = run.invoke(PROMPT, all_steps)
+    with lm.generate(max_new_tokens=6) as tr:
+        a = tr.invoke(PROMPT, until_step_2)
+        b = tr.invoke(PROMPT, all_steps)
     assert a.result == "left" and b.result == 6
     assert not a.stopped
     assert a.tokens.tolist() == ref_tokens[:6].tolist()

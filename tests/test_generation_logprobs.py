@@ -53,8 +53,8 @@ def test_logprobs_are_the_models_own(lm):
 
 
 def test_batched_prompts_of_different_lengths(lm):
-    with lm.generate(max_new_tokens=3, logprobs=2, prompt_logprobs=2) as run:
-        invs = [run.invoke(p) for p in PROMPTS]
+    with lm.generate(max_new_tokens=3, logprobs=2, prompt_logprobs=2) as tr:
+        invs = [tr.invoke(p) for p in PROMPTS]
     for inv, prompt in zip(invs, PROMPTS):
         check(lm, inv, prompt, 2)
 

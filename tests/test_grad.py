@@ -48,8 +48,8 @@ def test_grad_point_equals_autograd(net):
         out = await m.output
         await m.backward(out.pow(2).sum())
 
-    with model.trace() as run:
-        inv = run.invoke(x, reader, driver)
+    with model.trace() as tr:
+        inv = tr.invoke(x, reader, driver)
     got, _ = inv.result
 
     saved = {}
@@ -75,8 +75,8 @@ def test_zeroing_grad_changes_param_grads_like_a_hook(net):
         g.zero_()
 
     net.zero_grad()
-    with model.trace() as run:
-        run.invoke(x, fn, zero)
+    with model.trace() as tr:
+        tr.invoke(x, fn, zero)
     ours = {n: p.grad.clone() for n, p in net.named_parameters()}
 
     net.zero_grad()
@@ -148,10 +148,10 @@ def test_invokes_see_and_change_only_their_rows_of_the_grad(net):
         seen["b"] = (await m.layers[3].output.grad).clone()
 
     net.zero_grad()
-    with model.trace() as run:
-        run.invoke(x1, zero_mine)
-        run.invoke(x2, read_mine)
-        run.invoke(None, driver)        # whole batch: starts the backward
+    with model.trace() as tr:
+        tr.invoke(x1, zero_mine)
+        tr.invoke(x2, read_mine)
+        tr.invoke(None, driver)        # whole batch: starts the backward
     ours = [p.grad.clone() for p in net.parameters()]
 
     net.zero_grad()
@@ -204,8 +204,8 @@ def test_input_grad_equals_autograd(net):
     async def driver(m):
         await m.backward((await m.output).sum())
 
-    with model.trace() as run:
-        inv = run.invoke(x, reader, driver)
+    with model.trace() as tr:
+        inv = tr.invoke(x, reader, driver)
     got = inv.result[0]
     saved = {}
     h = net.layers[1].register_forward_pre_hook(lambda mod, a: saved.update(x=a[0]))
@@ -247,8 +247,8 @@ def test_backward_outside_run_and_no_leftover_hooks(net):
         await m.backward(out.sum(), retain_graph=True)
         return out
 
-    with model.trace() as run:
-        inv = run.invoke(_x(), reader, driver)
+    with model.trace() as tr:
+        inv = tr.invoke(_x(), reader, driver)
     out = inv.result[1]
     out.sum().backward()              # after the run: our tensor hooks are gone
     assert len(calls) == 1
@@ -313,8 +313,8 @@ def test_two_backwards_one_task_awaiting_twice(net):
         b = await m.layers[2].output.grad
         return a, b
 
-    with model.trace() as run:
-        inv = run.invoke(x, reader, reader, _two_backwards)   # two tasks, each reads both
+    with model.trace() as tr:
+        inv = tr.invoke(x, reader, reader, _two_backwards)   # two tasks, each reads both
     (a, b), (c, d), _ = inv.result
     assert torch.equal(a, w1) and torch.equal(b, w2)
     assert torch.equal(c, w1) and torch.equal(d, w2)
@@ -450,9 +450,9 @@ def test_gradients_edit_and_invoke_rows(net):
     async def other(m):
         await m.output
 
-    with model.trace() as run:
-        run.invoke(x1, mine)
-        run.invoke(x2, other)
+    with model.trace() as tr:
+        tr.invoke(x1, mine)
+        tr.invoke(x2, other)
     g1, g3 = got["a"]
     assert g1.shape[0] == 2 and g3.shape[0] == 2
 

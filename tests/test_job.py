@@ -41,20 +41,20 @@ def _reference(mlp, x, zero):
 
 
 def _build(model, x, y):
-    run = model.trace(on_error="continue")
-    run.invoke(x, zero_layer_one)
-    run.invoke(y, read_layer_two)
-    return run
+    tr = model.trace(on_error="continue")
+    tr.invoke(x, zero_layer_one)
+    tr.invoke(y, read_layer_two)
+    return tr
 
 
 def test_a_trace_builds_a_frozen_job_that_no_longer_changes(mlp):
     model = ai.wrap(mlp)
     x, y = torch.randn(2, 8), torch.randn(3, 8)
-    run = _build(model, x, y)
-    job = run.job
+    tr = _build(model, x, y)
+    job = tr.job
     assert isinstance(job, ai.Job) and job.kind == "trace" and job.on_error == "continue"
     assert [spec.fns for spec in job.invokes] == [(zero_layer_one,), (read_layer_two,)]
-    assert job.invokes[0].input is x and job.results == tuple(run.invokes)
+    assert job.invokes[0].input is x and job.results == tuple(tr.invokes)
     with pytest.raises(AttributeError):
         job.on_error = "stop"
     with pytest.raises(AttributeError):
@@ -62,11 +62,11 @@ def test_a_trace_builds_a_frozen_job_that_no_longer_changes(mlp):
     with pytest.raises(TypeError):
         job.generation["max_new_tokens"] = 3          # mappings of a job are read-only
     with pytest.raises(RuntimeError, match="already submitted"):
-        run.invoke(x, read_layer_two)
-    run.run()
-    assert run.job is job
+        tr.invoke(x, read_layer_two)
+    tr.run()
+    assert tr.job is job
     with pytest.raises(RuntimeError, match="already run"):
-        run.run()
+        tr.run()
 
 
 def test_jobs_compare_by_what_is_asked_not_where_results_go(mlp):
@@ -82,9 +82,9 @@ def test_an_engine_runs_the_job_a_trace_built(mlp):
     model = ai.wrap(mlp)
     x, y = torch.randn(2, 8), torch.randn(3, 8)
     job = _build(model, x, y).job
-    run = model.engine("trace").start(job)
-    assert isinstance(run, ai.Run) and run.job is job
-    run.wait()
+    tr = model.engine("trace").start(job)
+    assert isinstance(tr, ai.Run) and tr.job is job
+    tr.wait()
     first, second = job.results
     assert torch.allclose(first.result, _reference(mlp, x, zero=True), atol=1e-6)   # batched: last bits
     assert torch.allclose(second.result, _reference(mlp, y, zero=False), atol=1e-6)
@@ -121,20 +121,20 @@ def test_a_job_that_cannot_travel_says_what_and_where(mlp):
     async def closes_over(m):
         return (await m.layers[limit].output)
 
-    run = model.trace()
-    run.invoke(torch.randn(1, 8), read_layer_two)
-    run.invoke(torch.randn(1, 8), closes_over)
-    data = dumps_job(run.job)   # a closure travels (captured, see tests/test_capture.py) ...
+    tr = model.trace()
+    tr.invoke(torch.randn(1, 8), read_layer_two)
+    tr.invoke(torch.randn(1, 8), closes_over)
+    data = dumps_job(tr.job)   # a closure travels (captured, see tests/test_capture.py) ...
     with pytest.raises(WireError, match="read it with loads_job.data, compile_source"):
         loads_job(data, _trusted_compile)   # ... but not to a reader that takes self-contained source only
-    run = model.trace()
-    run.invoke(torch.randn(1, 8), read_layer_two)
-    run.context["file"] = open(__file__)
+    tr = model.trace()
+    tr.invoke(torch.randn(1, 8), read_layer_two)
+    tr.context["file"] = open(__file__)
     try:
         with pytest.raises(TypeError, match="this job cannot travel"):
-            dumps_job(run.job)
+            dumps_job(tr.job)
     finally:
-        run.context["file"].close()
+        tr.context["file"].close()
     with pytest.raises(WireError, match="not a job"):
         loads_job(ai.serve.wire.packb({"format": 99}), _trusted_compile)
 
@@ -144,24 +144,24 @@ def test_edits_are_the_first_invoke_and_indices_never_change(mlp):
         (await m.layers[1].output)[:] = 0
 
     model = ai.wrap(mlp).edit(ablate)
-    run = model.trace()
-    inv = run.invoke(torch.randn(2, 8), read_layer_two)
+    tr = model.trace()
+    inv = tr.invoke(torch.randn(2, 8), read_layer_two)
     assert inv.index == 1                                 # set when added, not renumbered at run time
-    job = run.job
+    job = tr.job
     assert job.invokes[0].background and job.invokes[0].input is None
-    run.run()
+    tr.run()
     assert inv.index == 1 and torch.allclose(inv.result, _reference(mlp, job.invokes[1].input, zero=True), atol=1e-6)
 
 
 def test_a_generation_job_carries_its_options():
     pytest.importorskip("transformers")
     lm = ai.models.tiny("llama")
-    run = lm.generate(max_new_tokens=3, stop=["x"])
-    run.invoke("hello", read_first_layer)
-    job = run.job
+    tr = lm.generate(max_new_tokens=3, stop=["x"])
+    tr.invoke("hello", read_first_layer)
+    job = tr.job
     assert job.kind == "generate" and job.generation == {"max_new_tokens": 3, "stop": ["x"]}
-    run.run()
-    assert len(run.invokes[0].tokens) <= 3
+    tr.run()
+    assert len(tr.invokes[0].tokens) <= 3
 
 
 async def read_first_layer(m):

@@ -75,10 +75,10 @@ def test_trace_generation_session_equal_blocking(server):
 def test_submitted_trace_of_several_invokes_and_await(server):
     import anyio
     model = lm(server)
-    run = model.trace()
-    one = run.invoke("The Eiffel Tower is in", last)
-    two = run.invoke("The Colosseum is in", last)
-    job = model.submit(run)
+    tr = model.trace()
+    one = tr.invoke("The Eiffel Tower is in", last)
+    two = tr.invoke("The Colosseum is in", last)
+    job = model.submit(tr)
 
     async def main():
         return await job
@@ -182,9 +182,9 @@ def test_quotas_answer_429_naming_the_quota(server):
 
 def _job_bytes(server):
     from asyncinterp.client.job_form import dumps_job
-    run = ai.remote(server.url, api_key=D, check_modules=False).trace()
-    run.invoke("The Eiffel Tower is in", last)
-    return dumps_job(run.job)
+    tr = ai.remote(server.url, api_key=D, check_modules=False).trace()
+    tr.invoke("The Eiffel Tower is in", last)
+    return dumps_job(tr.job)
 
 
 def test_ownership_attacked_with_another_key(server):

@@ -58,9 +58,9 @@ def test_wrap_existing_model_mirrors_hf_tree(llama):
 def test_batched_prompts_of_different_lengths_equal_solo_runs(arch, llama, gpt2):
     lm = llama if arch == "llama" else gpt2
     solo = [lm.trace(p, read_all) for p in PROMPTS]
-    with lm.trace() as run:
-        invs = [run.invoke(p, read_all) for p in PROMPTS]
-    assert isinstance(run.layout, PaddedLayout)
+    with lm.trace() as tr:
+        invs = [tr.invoke(p, read_all) for p in PROMPTS]
+    assert isinstance(tr.layout, PaddedLayout)
     for (s_hs, s_logits), inv in zip(solo, invs):
         b_hs, b_logits = inv.result
         assert b_logits.shape == s_logits.shape
@@ -90,9 +90,9 @@ def test_last_token_edit_only_touches_its_invoke(llama):
 
     solo_zero = llama.trace("Hi", zero_last)
     solo_plain = llama.trace(PROMPTS[0], plain)
-    with llama.trace() as run:
-        a = run.invoke(PROMPTS[0], plain)
-        b = run.invoke("Hi", zero_last)
+    with llama.trace() as tr:
+        a = tr.invoke(PROMPTS[0], plain)
+        b = tr.invoke("Hi", zero_last)
     torch.testing.assert_close(b.result, solo_zero, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.result, solo_plain, atol=1e-5, rtol=0)
 
@@ -104,9 +104,9 @@ def test_replacement_of_padded_view_goes_to_real_positions(llama):
         return (await m.lm_head.output)[:, -1].clone()
 
     solo = llama.trace("Hi", replace)
-    with llama.trace() as run:
-        run.invoke(PROMPTS[0], read_all)
-        b = run.invoke("Hi", replace)
+    with llama.trace() as tr:
+        tr.invoke(PROMPTS[0], read_all)
+        b = tr.invoke("Hi", replace)
     torch.testing.assert_close(b.result, solo, atol=1e-5, rtol=0)
 
 
@@ -118,9 +118,9 @@ def test_attention_weights_are_cut_to_real_tokens(gpt2):
     solo = gpt2.trace("Hi there", attn)
     if solo is None:
         pytest.skip("this transformers version returns no attention weights here")
-    with gpt2.trace() as run:
-        run.invoke(PROMPTS[0], attn)
-        b = run.invoke("Hi there", attn)
+    with gpt2.trace() as tr:
+        tr.invoke(PROMPTS[0], attn)
+        b = tr.invoke("Hi there", attn)
     assert b.result.shape == solo.shape
     torch.testing.assert_close(b.result, solo, atol=1e-5, rtol=0)
 
@@ -146,9 +146,9 @@ def test_list_of_prompts_in_one_invoke_equals_its_solo_run(llama):
     pair = ["Hi", "The cat sat"]
     solo = llama.trace(pair, last)
     assert solo.shape[0] == 2
-    with llama.trace() as run:
-        run.invoke(PROMPTS[0], last)
-        b = run.invoke(pair, last)
+    with llama.trace() as tr:
+        tr.invoke(PROMPTS[0], last)
+        b = tr.invoke(pair, last)
     torch.testing.assert_close(b.result, solo, atol=1e-5, rtol=0)
 
 
@@ -156,10 +156,10 @@ def test_invoke_without_input_sees_whole_padded_batch(llama):
     async def whole(m):
         return (await m.model.layers[0].output).shape
 
-    with llama.trace() as run:
-        run.invoke(PROMPTS[0], read_all)
-        run.invoke("Hi", read_all)
-        w = run.invoke(whole)
+    with llama.trace() as tr:
+        tr.invoke(PROMPTS[0], read_all)
+        tr.invoke("Hi", read_all)
+        w = tr.invoke(whole)
     n = len(llama.tokenizer(PROMPTS[0])["input_ids"])
     assert tuple(w.result) == (2, n, llama.config.hidden_size)
 
@@ -181,9 +181,9 @@ def test_cross_invoke_patching_with_future(llama):
         h[:, -1] = await clean
         return (await m.lm_head.output)[:, -1].clone()
 
-    with llama.trace() as run:
-        run.invoke(PROMPTS[0], record)
-        p = run.invoke("Hi", patch)
+    with llama.trace() as tr:
+        tr.invoke(PROMPTS[0], record)
+        p = tr.invoke("Hi", patch)
     # the same patch done by hand in a solo run
     value = clean.result()
 
@@ -231,9 +231,9 @@ def test_tokenizer_without_pad_token_still_batches():
     async def last(m):
         return (await m.lm_head.output)[:, -1].clone()
     solo = lm.trace("Hi", last)
-    with lm.trace() as run:
-        run.invoke(PROMPTS[0], last)
-        b = run.invoke("Hi", last)
+    with lm.trace() as tr:
+        tr.invoke(PROMPTS[0], last)
+        b = tr.invoke("Hi", last)
     torch.testing.assert_close(b.result, solo, atol=1e-5, rtol=0)
     gen = lm.generate(["Hi", PROMPTS[0]], max_new_tokens=3)
     assert all(len(t) >= 1 for t in gen.tokens)

@@ -48,8 +48,8 @@ def test_patching_subject_positions_restores_paris_early_not_late(lm):
     with torch.no_grad():
         clean = lm.trace(CLEAN, record)
         p_corrupt = lm.trace(CORRUPT, p_paris)
-        with lm.trace() as run:        # one batched forward: one invoke per patched layer
-            invs = [run.invoke(CORRUPT, patch(i, clean)) for i in range(n)]
+        with lm.trace() as tr:        # one batched forward: one invoke per patched layer
+            invs = [tr.invoke(CORRUPT, patch(i, clean)) for i in range(n)]
     probs = [inv.result for inv in invs]
     assert p_corrupt < 0.01
     assert min(probs[:5]) > 0.5                      # early layers: the subject carries the answer
@@ -64,8 +64,8 @@ def test_batched_prompts_equal_solo_on_smollm2(lm):
         return (await m.lm_head.output)[:, -1].clone()
     with torch.no_grad():
         solo = [lm.trace(p, last) for p in prompts]
-        with lm.trace() as run:
-            invs = [run.invoke(p, last) for p in prompts]
+        with lm.trace() as tr:
+            invs = [tr.invoke(p, last) for p in prompts]
     for s, inv in zip(solo, invs):
         torch.testing.assert_close(inv.result, s, atol=1e-4, rtol=1e-4)
         assert int(inv.result.argmax()) == int(s.argmax())

@@ -73,9 +73,9 @@ def test_adapter_per_run_equals_set_adapter_by_hand(lora):
     torch.testing.assert_close(blue, reference_logits(pm, tok, adapter="blue"), atol=1e-6, rtol=0)
     assert (red - blue).abs().max() > 1e-3
 
-    with model.trace(adapter="blue") as run:       # a with block: both invokes use "blue"
-        x = run.invoke(PROMPT, logits)
-        y = run.invoke("Another prompt here", logits)
+    with model.trace(adapter="blue") as tr:       # a with block: both invokes use "blue"
+        x = tr.invoke(PROMPT, logits)
+        y = tr.invoke("Another prompt here", logits)
     torch.testing.assert_close(x.result, blue, atol=1e-5, rtol=0)
     assert y.result.shape[1] > 0 and model.active_adapter == "red"
 

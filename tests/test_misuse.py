@@ -54,20 +54,20 @@ def test_loop_variable_rebound_before_the_run_raises_and_bound_ones_work():
     net = _net()
     model = ai.wrap(net)
     with pytest.raises(ai.LateBindingError, match="'i'"):
-        with model.trace() as run:
+        with model.trace() as tr:
             for i in range(3):
                 async def read(m):
                     return (await m[i].output).clone()
-                run.invoke(X, read)
+                tr.invoke(X, read)
 
     shared = []                      # a shared list mutated inside is not a rebinding
     invokes = []
-    with model.trace() as run:
+    with model.trace() as tr:
         for i in range(3):
             async def read_bound(m, i):
                 shared.append(i)
                 return (await m[i].output).clone()
-            invokes.append(run.invoke(X[i:i + 1], functools.partial(read_bound, i=i)))
+            invokes.append(tr.invoke(X[i:i + 1], functools.partial(read_bound, i=i)))
     h = X
     for i, inv in enumerate(invokes):
         h_i = X[i:i + 1]
@@ -140,9 +140,9 @@ def test_shape_change_is_an_explicit_opt_in():
         m[0].output.replace(h[:, :4], shape_change=True)
 
     with pytest.raises(ExceptionGroup) as info:
-        with model.trace() as run:
-            run.invoke(X[:1], partial)
-            run.invoke(X[1:], partial)
+        with model.trace() as tr:
+            tr.invoke(X[:1], partial)
+            tr.invoke(X[1:], partial)
     assert all(isinstance(e, ai.ReplacementError) and "whole batch" in str(e) for e in info.value.exceptions)
 
 
@@ -162,9 +162,9 @@ def test_editing_a_held_value_after_the_model_moved_on_warns():
         later.set_result(torch.zeros_like(h))
 
     with pytest.warns(ai.StaleEditWarning, match=r"0\.output"):
-        with model.trace() as run:
-            run.invoke(x, holds)
-            run.invoke(x, sets_late)
+        with model.trace() as tr:
+            tr.invoke(x, holds)
+            tr.invoke(x, sets_late)
 
     # the same pattern at one point is fine: the future is set while the model waits at that point
     same = ai.Future()
@@ -181,9 +181,9 @@ def test_editing_a_held_value_after_the_model_moved_on_warns():
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error", ai.StaleEditWarning)
-        with model.trace() as run:
-            p = run.invoke(x, patch)
-            run.invoke(x, record)
+        with model.trace() as tr:
+            p = tr.invoke(x, patch)
+            tr.invoke(x, record)
         # the model's own in-place ops on a value a task holds are not the task's edits
         inplace = ai.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True),
                                               torch.nn.Linear(8, 2)))
@@ -203,12 +203,12 @@ def test_late_binding_check_reads_names_inside_comprehensions():
         h = await m[0].output
         return [v * scale for v in h.sum(-1).tolist()]
 
-    with model.trace() as run:
-        a = run.invoke(X[:1], uses_comprehension)
+    with model.trace() as tr:
+        a = tr.invoke(X[:1], uses_comprehension)
     assert len(a.result) == 1
     with pytest.raises(ai.LateBindingError, match="'scale'"):
-        with model.trace() as run:
-            run.invoke(X[:1], uses_comprehension)
+        with model.trace() as tr:
+            tr.invoke(X[:1], uses_comprehension)
             scale = 3.0   # noqa: F841 - rebound before the run
 
 

@@ -80,8 +80,8 @@ def test_reads_equal_hand_written_hooks(moe):
 
 def test_batched_equals_solo(moe):
     lm, _, _ = moe
-    with lm.trace() as run:
-        invs = [run.invoke(p, read) for p in PROMPTS]
+    with lm.trace() as tr:
+        invs = [tr.invoke(p, read) for p in PROMPTS]
     for inv, p in zip(invs, PROMPTS):
         solo = lm.trace(p, read)
         for got, want in zip(inv.result, solo):
@@ -186,9 +186,9 @@ def test_replaced_gate_tuple_with_new_routing_is_used_as_given(moe):
         got = lm.trace(p, replace_tuple)
         torch.testing.assert_close(got, by_hand(model, tok, p, [(gate, "out", hand)]), atol=1e-5, rtol=0)
         assert (got - lm.trace(p, mask_top)).abs().max() > 1e-3       # not re-routed from the masked logits
-    with lm.trace() as run:
-        a = run.invoke(PROMPTS[0], replace_tuple)
-        b = run.invoke(PROMPTS[2], logits_only)
+    with lm.trace() as tr:
+        a = tr.invoke(PROMPTS[0], replace_tuple)
+        b = tr.invoke(PROMPTS[2], logits_only)
     torch.testing.assert_close(a.result, lm.trace(PROMPTS[0], replace_tuple), atol=1e-5, rtol=0)
     torch.testing.assert_close(b.result, lm.trace(PROMPTS[2], logits_only), atol=1e-5, rtol=0)
 
@@ -237,9 +237,9 @@ def test_batched_mask_touches_only_its_invoke(moe):
     async def logits(m):
         return (await m.logits).clone()
 
-    with lm.trace() as run:
-        a = run.invoke(PROMPTS[0], mask_top)
-        b = run.invoke(PROMPTS[2], logits)
+    with lm.trace() as tr:
+        a = tr.invoke(PROMPTS[0], mask_top)
+        b = tr.invoke(PROMPTS[2], logits)
     torch.testing.assert_close(a.result, lm.trace(PROMPTS[0], mask_top), atol=1e-5, rtol=0)
     torch.testing.assert_close(b.result, lm.trace(PROMPTS[2], logits), atol=1e-5, rtol=0)
 

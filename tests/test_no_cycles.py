@@ -84,9 +84,9 @@ def _several_invokes(model):
         h[:] = await fut
         return (await m[3].output).sum().item()
 
-    with model.trace() as run:
-        run.invoke(X[:1], a)
-        p = run.invoke(X[1:], b)
+    with model.trace() as tr:
+        tr.invoke(X[:1], a)
+        p = tr.invoke(X[1:], b)
     return p.result
 
 

@@ -239,8 +239,8 @@ def test_language_model_per_invoke_with_padding_equals_solo():
         return out
 
     with torch.no_grad():
-        with lm.trace() as run:
-            invs = [run.invoke(p, fn) for p in prompts]
+        with lm.trace() as tr:
+            invs = [tr.invoke(p, fn) for p in prompts]
         solo = [lm.trace(p, fn) for p in prompts]
     for inv, alone, p in zip(invs, solo, prompts):
         n = len(tok(p).input_ids)
@@ -352,9 +352,9 @@ def test_vllm_qkv_edit_of_one_request_leaves_the_others(engines):
     async def plain(m):
         return (await m.logits).clone()
 
-    with vm.trace() as run:
-        a = run.invoke(prompts[0], ablate)
-        b = run.invoke(prompts[1], plain)
+    with vm.trace() as tr:
+        a = tr.invoke(prompts[0], ablate)
+        b = tr.invoke(prompts[1], plain)
     torch.testing.assert_close(b.result, vm.trace(prompts[1], plain))
     torch.testing.assert_close(a.result, vm.trace(prompts[0], ablate))
     assert (a.result - vm.trace(prompts[0], plain)).abs().max() > 1e-3
@@ -380,9 +380,9 @@ def test_vllm_pattern_is_read_only_and_needs_its_first_step(engines):
     async def whole(m):
         return await m.layers[0].attn.pattern
     with pytest.raises(PointUnavailableError, match="per request"):
-        with vm.trace() as run:
-            run.invoke(whole)
-            run.invoke(PROMPT)
+        with vm.trace() as tr:
+            tr.invoke(whole)
+            tr.invoke(PROMPT)
 
 
 def test_semantic_points_page_runs(capsys):

@@ -69,10 +69,10 @@ def test_several_requests_in_one_run_equal_transformers(engines):
     lm, vm = engines
     fn = read_points([1, 28])
     with torch.no_grad():
-        with lm.trace() as run:
-            hf = [run.invoke(p, fn) for p in (PROMPT, OTHER)]
-    with vm.trace() as run:
-        vl = [run.invoke(p, fn) for p in (PROMPT, OTHER)]
+        with lm.trace() as tr:
+            hf = [tr.invoke(p, fn) for p in (PROMPT, OTHER)]
+    with vm.trace() as tr:
+        vl = [tr.invoke(p, fn) for p in (PROMPT, OTHER)]
     for h, v, p in zip(hf, vl, (PROMPT, OTHER)):
         _compare(v.result, h.result, p)
 
@@ -84,8 +84,8 @@ def test_edits_move_logits_like_transformers(engines, layer):
     with torch.no_grad():
         clean = lm.trace(PROMPT, read_points([]))["logits"]
     cases = [(name, by) for name in VLLM_EDITS for by in ("inplace", "replace")]
-    with vm.trace() as run:                    # all the edited requests in one vLLM batch
-        invs = [run.invoke(PROMPT, edit_point(layer, name, 5 + i, by, scale="0.5rms"))
+    with vm.trace() as tr:                    # all the edited requests in one vLLM batch
+        invs = [tr.invoke(PROMPT, edit_point(layer, name, 5 + i, by, scale="0.5rms"))
                 for i, (name, by) in enumerate(cases)]
     for i, ((name, by), inv) in enumerate(zip(cases, invs)):
         with torch.no_grad():

@@ -118,17 +118,17 @@ def _patching(model):
         h[:, -1] = (await clean)[:, -1]
         return (await m.lm_head.output)[:, -1].softmax(-1)
 
-    with model.trace() as run:
-        run.invoke("The Eiffel Tower is in the city of", record)
-        p = run.invoke("The Colosseum is in the city of", patch)
-    return p.result, run
+    with model.trace() as tr:
+        tr.invoke("The Eiffel Tower is in the city of", record)
+        p = tr.invoke("The Colosseum is in the city of", patch)
+    return p.result, tr
 
 
 def test_two_invokes_sharing_a_future_activation_patching(local, lm):
     here, _ = _patching(local)
-    there, run = _patching(lm)
+    there, tr = _patching(lm)
     same(here, there)
-    assert run.invokes[0].result is None
+    assert tr.invokes[0].result is None
 
 
 def test_generation_with_per_step_control_and_a_closure_over_a_list(local, lm):
@@ -214,9 +214,9 @@ def test_errors_on_error_and_registered_interventions(local, lm):
 
     with pytest.raises(ValueError, match="no good"):
         lm.trace(PROMPT, fails)
-    with lm.trace(on_error="continue") as run:
-        bad = run.invoke(PROMPT, fails)
-        good = run.invoke("A dog ran into a", fine)
+    with lm.trace(on_error="continue") as tr:
+        bad = tr.invoke(PROMPT, fails)
+        good = tr.invoke("A dog ran into a", fine)
     with pytest.raises(RemoteError, match="no good"):
         bad.result
     same(local.trace("A dog ran into a", fine), good.result)
@@ -291,11 +291,11 @@ def test_a_group_is_never_split_across_batches(local, live, lm):
             h = await m.transformer.h[0].output
             return (await hand) + 0 * h[:, -1]
 
-        run = lm.trace()
-        run.invoke(PROMPT, source)
-        run.invoke("A dog ran into a", sink)
-        run.invoke("Once upon a time there", sink)
-        return run
+        tr = lm.trace()
+        tr.invoke(PROMPT, source)
+        tr.invoke("A dog ran into a", sink)
+        tr.invoke("Once upon a time there", sink)
+        return tr
 
     batcher._execute = recording
     try:
@@ -303,8 +303,8 @@ def test_a_group_is_never_split_across_batches(local, live, lm):
 
         async def main():
             async with anyio.create_task_group() as tg:
-                for run in runs:
-                    tg.start_soon(run.arun)
+                for tr in runs:
+                    tg.start_soon(tr.arun)
                 for _ in range(3):
                     tg.start_soon(lm.atrace, PROMPT, single)
         anyio.run(main)
@@ -313,8 +313,8 @@ def test_a_group_is_never_split_across_batches(local, live, lm):
     assert sum(sum(s) for s in sizes) == 3 * 3 + 3
     assert all(sum(s) <= batcher.max_batch for s in sizes), sizes
     assert sum(s.count(3) for s in sizes) == 3          # every group went into a batch whole
-    for run in runs:
-        first, second, third = (inv.result for inv in run.invokes)
+    for tr in runs:
+        first, second, third = (inv.result for inv in tr.invokes)
         same(first, second)
         same(first, third)
 
@@ -331,12 +331,12 @@ def test_a_jobs_budget_counts_all_of_its_invokes(live):
     exec(compile(SPIN, "<remote-spin>", "exec"), ns)  # noqa: S102
     spin = ns["f"]
     model = ai.remote(live.url, api_key=KEY)
-    with model.trace(on_error="continue") as run:
+    with model.trace(on_error="continue") as tr:
         for _ in range(3):
-            run.invoke(PROMPT, spin)
+            tr.invoke(PROMPT, spin)
     model.close()
     messages = set()
-    for inv in run.invokes:
+    for inv in tr.invokes:
         with pytest.raises(RemoteError, match="compute budget of 1 s") as info:
             inv.result
         messages.add(info.value.message)
@@ -347,9 +347,9 @@ def test_a_jobs_budget_counts_all_of_its_invokes(live):
 
 # --------------------------------------------------------------------------- forged messages
 def _job_bytes(fn, *values):
-    run = ai.wrap(torch.nn.Linear(2, 2)).trace()
-    run.invoke(PROMPT, fn)
-    return wire.unpackb(dumps_job(run.job))
+    tr = ai.wrap(torch.nn.Linear(2, 2)).trace()
+    tr.invoke(PROMPT, fn)
+    return wire.unpackb(dumps_job(tr.job))
 
 
 def _post(live, body):
@@ -474,9 +474,9 @@ def test_gradients_run_remotely_as_locally(lm, local):
             await m.backward(logits[:, -1].log_softmax(-1)[:, 0].sum())
             return ((await clean) - h[:, -1].detach()).mul((await grad)[:, -1]).sum(-1)
 
-        with model.trace() as run:
-            run.invoke(PROMPT, record)
-            b = run.invoke("The Colosseum is in the city of", attribute)
+        with model.trace() as tr:
+            tr.invoke(PROMPT, record)
+            b = tr.invoke("The Colosseum is in the city of", attribute)
         return b.result
 
     same(attribution_patching(lm), attribution_patching(local))
@@ -620,9 +620,9 @@ def test_a_job_larger_than_max_batch_is_413(lm):
         return (await m.lm_head.output)[:, -1].clone()
 
     with pytest.raises(RemoteError, match="max_batch=8") as info:
-        with lm.trace() as run:
+        with lm.trace() as tr:
             for _ in range(9):
-                run.invoke(PROMPT, last)
+                tr.invoke(PROMPT, last)
     assert info.value.status == 413
 
 
@@ -643,9 +643,9 @@ def test_a_server_without_allow_code_takes_registered_interventions_only(local):
         with pytest.raises(RemoteError, match="--allow-code") as info:
             lm.trace(PROMPT, mine)
         assert info.value.status == 400
-        with lm.trace() as run:   # registered ones, several in one job
-            a = run.invoke(PROMPT, lm.registered("last_logits"))
-            b = run.invoke("A dog ran into a", lm.registered("last_logits", scale=3.0))
+        with lm.trace() as tr:   # registered ones, several in one job
+            a = tr.invoke(PROMPT, lm.registered("last_logits"))
+            b = tr.invoke("A dog ran into a", lm.registered("last_logits", scale=3.0))
         same(a.result, local.trace(PROMPT, mine))
         same(b.result, local.trace("A dog ran into a", mine) * 3.0)
         lm.close()

@@ -129,9 +129,9 @@ def test_invoke_cancel_from_another_thread_mid_forward():
         h = await m.layers[3].output
         return h.clone()
 
-    with model.trace(on_error="continue") as run:
-        v = run.invoke(x[:1], victim)
-        o = run.invoke(x[1:], other)
+    with model.trace(on_error="continue") as tr:
+        v = tr.invoke(x[:1], victim)
+        o = tr.invoke(x[1:], other)
         threading.Thread(target=lambda: (started.wait(5), v.cancel(), go.set())).start()
     with pytest.raises(ai.RunCancelled):
         v.result
@@ -149,9 +149,9 @@ def test_invoke_cancelled_before_run_never_starts():
         started.append(1)
         return await m.layers[1].output
 
-    with model.trace(on_error="continue") as run:
-        a = run.invoke(torch.randn(1, 8), fn)
-        b = run.invoke(torch.randn(1, 8), fn)
+    with model.trace(on_error="continue") as tr:
+        a = tr.invoke(torch.randn(1, 8), fn)
+        b = tr.invoke(torch.randn(1, 8), fn)
         a.cancel()
     with pytest.raises(ai.RunCancelled):
         a.result
@@ -165,7 +165,7 @@ def test_cancel_after_the_run_keeps_the_result():
     async def fn(m):
         return (await m.layers[1].output).clone()
 
-    with model.trace(on_error="continue") as run:
-        a = run.invoke(torch.randn(1, 8), fn)
+    with model.trace(on_error="continue") as tr:
+        a = tr.invoke(torch.randn(1, 8), fn)
     a.cancel()                       # too late: a no-op
     assert a.result.shape == (1, 8)

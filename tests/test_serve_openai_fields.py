@@ -427,7 +427,7 @@ def test_vllm_metrics_are_the_families_vllms_own_server_shows(vllm_pair):
 @pytest.mark.vllm
 def test_vllm_engine_options_are_sampling_params(tiny_dir):
     """What the vLLM front hands the engine for every field is a valid ``SamplingParams`` with vLLM's meaning
-    (the path the engine takes: ``run.invoke(prompt, **options)`` -> ``SamplingParams(**options)``)."""
+    (the path the engine takes: ``tr.invoke(prompt, **options)`` -> ``SamplingParams(**options)``)."""
     from vllm import SamplingParams
 
     from asyncinterp.models.vllm.requests import sampling_kwargs as _sampling_kwargs

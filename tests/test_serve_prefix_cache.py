@@ -363,16 +363,16 @@ def test_cli_flag_turns_the_cached_tokens_report_on(monkeypatch):
 
 # ----------------------------------------------------------------------------- 4. chosen and forged salts
 def test_a_tenant_cannot_choose_or_forge_a_cache_salt(vm, url, oai_a, oai_b, native_a, monkeypatch):
-    from asyncinterp.models.vllm.driver import VLLMRun
+    from asyncinterp.models.vllm.jobs import LiveJob
     text = prompt("Fifth story")
     ref = fresh_reference(oai_b, text)
     salts = []                                 # what the engine was given, request by request
-    real = VLLMRun.cache_salt
+    real = LiveJob.cache_salt
 
     def spy(self, inv):
         salts.append(real(self, inv))
         return salts[-1]
-    monkeypatch.setattr(VLLMRun, "cache_salt", spy)
+    monkeypatch.setattr(LiveJob, "cache_salt", spy)
 
     # A picks the salt B will use, and poisons the prefix under it: its own salt replaces the chosen one
     chosen = "team-" + secrets.token_urlsafe(16)
@@ -417,10 +417,10 @@ def test_a_tenant_cannot_choose_or_forge_a_cache_salt(vm, url, oai_a, oai_b, nat
 # ----------------------------------------------------------------------------- the attacks have teeth
 def test_control_with_the_salt_switched_off_the_attacks_succeed(vm, oai_a, oai_b, native_b, monkeypatch):
     """Without asyncinterp's salt the same attacks get through, and these observables show it."""
-    from asyncinterp.models.vllm.driver import VLLMRun
+    from asyncinterp.models.vllm.jobs import LiveJob
     poisoned, filled = prompt("Control story"), prompt("Control filled")
     ref = fresh_reference(oai_b, poisoned)
-    monkeypatch.setattr(VLLMRun, "cache_salt", lambda self, inv: None)
+    monkeypatch.setattr(LiveJob, "cache_salt", lambda self, inv: None)
 
     complete(oai_a, poisoned, ext=POISON)
     leaked, cached, _ = complete(oai_b, poisoned)

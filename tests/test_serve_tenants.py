@@ -95,9 +95,9 @@ def test_an_input_less_invoke_sees_only_its_own_jobs_rows(model, code_server):
     def attack():
         remote = ai.remote(code_server.url, api_key=ATTACKER)
         try:
-            with remote.trace() as run:
-                run.invoke(ATTACK_PROMPT, noop)
-                rows = run.invoke(spy)
+            with remote.trace() as tr:
+                tr.invoke(ATTACK_PROMPT, noop)
+                rows = tr.invoke(spy)
             return rows.result
         finally:
             remote.close()
@@ -118,9 +118,9 @@ def test_a_registered_intervention_without_input_cannot_reach_a_plain_generation
     def attack():
         remote = ai.remote(plain_server.url, api_key=ATTACKER)
         try:
-            with remote.generate(max_new_tokens=6) as run:
-                run.invoke(ATTACK_PROMPT)
-                run.invoke(remote.registered("ablate", module="transformer.h.1"))
+            with remote.generate(max_new_tokens=6) as tr:
+                tr.invoke(ATTACK_PROMPT)
+                tr.invoke(remote.registered("ablate", module="transformer.h.1"))
             return "ran"
         finally:
             remote.close()
@@ -358,9 +358,9 @@ def test_token_id_rows_count_against_max_batch(code_server):
             remote.trace(torch.ones(2000, 4, dtype=torch.long), f)
         assert info.value.status == 413 and "max_batch=8" in info.value.message
         with pytest.raises(RemoteError) as info:
-            with remote.trace() as run:
+            with remote.trace() as tr:
                 for _ in range(3):
-                    run.invoke(torch.ones(3, 4, dtype=torch.long), f)
+                    tr.invoke(torch.ones(3, 4, dtype=torch.long), f)
         assert info.value.status == 413 and "9 rows" in info.value.message
         assert remote.trace(torch.ones(8, 4, dtype=torch.long), f) == 8
     finally:

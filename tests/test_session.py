@@ -89,12 +89,12 @@ def test_session_runs_with_invokes_and_atrace(net):
             async def grab(m):
                 s["h"].set_result((await m.layers[1].output).clone())
             await s.atrace(torch.randn(2, 8), grab)
-            with s.trace() as run:
+            with s.trace() as tr:
                 async def use(m):
                     h = await m.layers[1].output
                     h[:] = (await s["h"])[:1]
                     return await m.output
-                inv = run.invoke(torch.randn(1, 8), use)
+                inv = tr.invoke(torch.randn(1, 8), use)
             return inv.result
 
     out = asyncio.run(main())

@@ -104,9 +104,9 @@ def test_invokes_see_own_rows_of_source_points(llama_hf):
         out = await m.model.layers[0].self_attn.source.attention_interface_0.output
         return out[1].clone()
 
-    with m.trace() as run:
-        ra = run.invoke(a, read)
-        rb = run.invoke(b, read)
+    with m.trace() as tr:
+        ra = tr.invoke(a, read)
+        rb = tr.invoke(b, read)
     full = llama_hf(torch.cat([a, b]), output_attentions=True).attentions[0]
     assert torch.equal(ra.result, full[:1]) and torch.equal(rb.result, full[1:])
 
@@ -333,15 +333,15 @@ def test_cleanup_over_many_runs_with_toolkit_features(llama_hf):
             tensors.append(weakref.ref(grad))
             return w.sum().item()
 
-        run = m.trace()
-        run.invoke(ids, fn, cache)
+        tr = m.trace()
+        tr.invoke(ids, fn, cache)
         if i % 3 == 0:
             with pytest.raises(ValueError, match="planned"):
-                run.run()
+                tr.run()
         else:
-            run.run()
-        runs.append(weakref.ref(run))
-        del run, cache, fn
+            tr.run()
+        runs.append(weakref.ref(tr))
+        del tr, cache, fn
     gc.collect()
     assert hook_count(llama_hf) == hooks_before
     assert all("forward" not in mod.__dict__ for mod in llama_hf.modules())

@@ -97,8 +97,8 @@ def test_batched_equals_solo_hand_hooks(vlm):
     """Three invokes in one batch (padding, different image sizes, text only) = each alone with torch hooks."""
     model, hf, processor = vlm
     cases = prompts(model)
-    with model.trace() as run:
-        got = [run.invoke(text, read_all, images=imgs) for text, imgs in cases]
+    with model.trace() as tr:
+        got = [tr.invoke(text, read_all, images=imgs) for text, imgs in cases]
     vision, proj, layer, head = parts(hf, model.family)
     sizes = set()
     for inv, (text, imgs) in zip(got, cases):
@@ -134,9 +134,9 @@ def test_patch_image_token_equals_hand_hook(vlm):
     async def plain(m):
         return (await m.lm_head.output).clone()
 
-    with model.trace() as run:
-        a = run.invoke(text_a, plain, images=imgs_a)
-        b = run.invoke(text_b, patch, images=imgs_b)
+    with model.trace() as tr:
+        a = tr.invoke(text_a, plain, images=imgs_a)
+        b = tr.invoke(text_b, patch, images=imgs_b)
     layer0 = hf.model.language_model.layers[0]
     inputs = processor(text=[text_b], images=imgs_b, return_tensors="pt")
     pos = int(_image_positions(inputs, model)[k])
@@ -165,9 +165,9 @@ def test_zero_projector_rows_of_one_invoke(vlm):
     async def plain(m):
         return (await m.lm_head.output).clone()
 
-    with model.trace() as run:
-        a = run.invoke(text_a, zero, images=imgs_a)
-        b = run.invoke(text_b, plain, images=imgs_b)
+    with model.trace() as tr:
+        a = tr.invoke(text_a, zero, images=imgs_a)
+        b = tr.invoke(text_b, plain, images=imgs_b)
     proj = parts(hf, model.family)[1]
     _, ref_a, _ = hand_run(hf, processor, text_a, imgs_a, edits={proj: lambda out: out.zero_()})
     _, ref_b, _ = hand_run(hf, processor, text_b, imgs_b)
@@ -196,8 +196,8 @@ def test_generation_steps_and_tokens(vlm):
             steps += 1
         return steps, vision_calls
 
-    with model.generate(max_new_tokens=n) as run:
-        got = [run.invoke(text, count, images=imgs) for text, imgs in cases]
+    with model.generate(max_new_tokens=n) as tr:
+        got = [tr.invoke(text, count, images=imgs) for text, imgs in cases]
     layer0 = hf.model.language_model.layers[0]
     proj = parts(hf, model.family)[1]
     for inv, (text, imgs) in zip(got, cases):

@@ -51,10 +51,10 @@ def test_whole_batch_invoke_sees_every_image(vlm):
         h = await m.layers[0].output
         return p.shape[0], h.shape[0]
 
-    with model.trace() as run:
-        run.invoke(ph + " one", last_logits, images=[CAT])
-        run.invoke("two " + ph + " and " + ph, last_logits, images=[CAT, DOG])
-        everything = run.invoke(rows)                      # no input: the whole batch
+    with model.trace() as tr:
+        tr.invoke(ph + " one", last_logits, images=[CAT])
+        tr.invoke("two " + ph + " and " + ph, last_logits, images=[CAT, DOG])
+        everything = tr.invoke(rows)                      # no input: the whole batch
     n_tokens = {"llava": 3, "qwen2_vl": 8 + 8 + 15}[model.family]   # LLaVA: image rows; Qwen2-VL: merged tokens
     assert everything.result == (n_tokens, 2)
 
@@ -70,9 +70,9 @@ def test_several_prompts_in_one_invoke(vlm):
         positions = m.image_positions()
         return (await m.lm_head.output)[:, -1].clone(), h.shape, positions
 
-    with model.trace() as run:
-        other = run.invoke(ph + " other", last_logits, images=[DOG])
-        pair = run.invoke(texts, both, images=[CAT, DOG])
+    with model.trace() as tr:
+        other = tr.invoke(ph + " other", last_logits, images=[DOG])
+        pair = tr.invoke(texts, both, images=[CAT, DOG])
     logits, shape, positions = pair.result
     for row, (text, img) in enumerate(zip(texts, [CAT, DOG])):
         ref = hf(**processor(text=[text], images=[img], return_tensors="pt")).logits[:, -1]
@@ -140,8 +140,8 @@ def test_bad_inputs_say_what_to_do(vlm):
     with pytest.raises(TypeError, match="already holds its images"):
         model.trace(dict(processor(text=[ph], images=[CAT], return_tensors="pt")), last_logits, images=[CAT])
     with pytest.raises(TypeError, match="only images="):
-        with model.generate(max_new_tokens=2) as run:
-            run.invoke(ph, last_logits, images=[CAT], temperature=0.5)
+        with model.generate(max_new_tokens=2) as tr:
+            tr.invoke(ph, last_logits, images=[CAT], temperature=0.5)
     with pytest.raises(TypeError, match="cannot use int"):
         model.trace(3, last_logits)
 
@@ -162,9 +162,9 @@ def test_gradient_at_the_projector_is_per_invoke(vlm):
 
     torch.set_grad_enabled(True)
     try:
-        with model.trace() as run:
-            got = [run.invoke(text, grad_of_features, images=imgs) for text, imgs in cases]
-            run.invoke(backward)
+        with model.trace() as tr:
+            got = [tr.invoke(text, grad_of_features, images=imgs) for text, imgs in cases]
+            tr.invoke(backward)
         for inv, (text, imgs) in zip(got, cases):
             seen = []
 
@@ -203,6 +203,6 @@ def test_unknown_model_types_and_uncropped_images_are_refused():
     uncropped.image_processor = CLIPImageProcessorPil(size={"shortest_edge": 16}, do_center_crop=False)
     model = ai.VisionLanguageModel(hf, uncropped)
     with pytest.raises(ValueError, match="different sizes"):
-        with model.trace() as run:
-            run.invoke("<image> a", last_logits, images=[CAT])
-            run.invoke("<image> b", last_logits, images=[DOG])
+        with model.trace() as tr:
+            tr.invoke("<image> a", last_logits, images=[CAT])
+            tr.invoke("<image> b", last_logits, images=[DOG])

@@ -46,8 +46,8 @@ def clean_engine(vm):
 
 def _greedy(vm, prompts=PROMPTS, n=6, fns=None, **kw):
     fns = fns or [None] * len(prompts)
-    with vm.generate(max_new_tokens=n, **kw) as run:
-        invs = [run.invoke(p, *([f] if f else [])) for p, f in zip(prompts, fns)]
+    with vm.generate(max_new_tokens=n, **kw) as tr:
+        invs = [tr.invoke(p, *([f] if f else [])) for p, f in zip(prompts, fns)]
     return [inv.tokens.tolist() for inv in invs], invs
 
 
@@ -143,8 +143,8 @@ def test_each_request_sees_only_its_tokens_and_equals_solo(vm, hf, clean_engine)
         return h.clone()
 
     solo = [vm.trace(p, last_hidden) for p in PROMPTS]
-    with vm.trace() as run:
-        invs = [run.invoke(p, last_hidden) for p in PROMPTS]
+    with vm.trace() as tr:
+        invs = [tr.invoke(p, last_hidden) for p in PROMPTS]
     lens = [len(vm.tokenizer(p).input_ids) for p in PROMPTS]
     for inv, s, n in zip(invs, solo, lens):
         got = inv.result
@@ -159,10 +159,10 @@ def test_whole_batch_invoke_sees_the_flat_layout(vm, clean_engine):
         async for _ in m.steps():
             seen.append(tuple((await m.model.layers[0].output)[0].shape))
 
-    with vm.generate(max_new_tokens=2) as run:
-        run.invoke(watch)
-        run.invoke(PROMPTS[0])
-        run.invoke(PROMPTS[1])
+    with vm.generate(max_new_tokens=2) as tr:
+        tr.invoke(watch)
+        tr.invoke(PROMPTS[0])
+        tr.invoke(PROMPTS[1])
     n0, n1 = (len(vm.tokenizer(p).input_ids) for p in PROMPTS[:2])
     assert seen[0] == (n0 + n1, 64) and seen[1] == (2, 64)
 
@@ -209,9 +209,9 @@ def test_chunked_prefill_mixed_with_decode(vm, hf, clean_engine):
         return fn
 
     a, b = [], []
-    with vm.generate(max_new_tokens=3) as run:
-        run.invoke(PROMPTS[1], recorder(a))
-        run.invoke(long, recorder(b))
+    with vm.generate(max_new_tokens=3) as tr:
+        tr.invoke(PROMPTS[1], recorder(a))
+        tr.invoke(long, recorder(b))
     # the short request decodes while the long one is still being prefilled
     assert [r.step for r, _ in a] == [0, 1, 2]
     assert b[0][0].prefill and not b[0][0].samples
@@ -236,9 +236,9 @@ def test_pattern_over_chunked_prefill_and_decode(vm, hf, clean_engine):
             out.append((m.request.positions, p.clone()))
         return out
 
-    with vm.generate(max_new_tokens=2) as run:
-        run.invoke(PROMPTS[1])
-        gen = run.invoke(long, patterns)
+    with vm.generate(max_new_tokens=2) as tr:
+        tr.invoke(PROMPTS[1])
+        gen = tr.invoke(long, patterns)
     steps = gen.result
     assert sum(1 for pos, _ in steps if pos.start < len(ids)) >= 2             # several prompt chunks
     full = ids + gen.tokens.tolist()[:1]
@@ -266,9 +266,9 @@ def test_requests_finishing_early_leave_cleanly(vm, clean_engine):
         return fn
 
     a, b = [], []
-    with vm.generate(max_new_tokens=6) as run:
-        ia = run.invoke(PROMPTS[0], looper(a), max_new_tokens=2)
-        ib = run.invoke(PROMPTS[1], looper(b))
+    with vm.generate(max_new_tokens=6) as tr:
+        ia = tr.invoke(PROMPTS[0], looper(a), max_new_tokens=2)
+        ib = tr.invoke(PROMPTS[1], looper(b))
     assert ia.result == 2 and ib.result == 6
     assert a[0] == 2 and a[1].startswith("missed") and b[0] == 6
     assert len(ia.tokens) == 2 and len(ib.tokens) == 6
@@ -374,11 +374,11 @@ def test_skip_a_layer_for_one_request(vm, clean_engine):
 
 
 def test_per_invoke_sampling_parameters(vm, clean_engine):
-    with vm.generate(max_new_tokens=5) as run:
-        a = run.invoke(PROMPTS[0], temperature=1.0, seed=7)
-        b = run.invoke(PROMPTS[0])
-    with vm.generate(max_new_tokens=5) as run:
-        c = run.invoke(PROMPTS[0], temperature=1.0, seed=7)
+    with vm.generate(max_new_tokens=5) as tr:
+        a = tr.invoke(PROMPTS[0], temperature=1.0, seed=7)
+        b = tr.invoke(PROMPTS[0])
+    with vm.generate(max_new_tokens=5) as tr:
+        c = tr.invoke(PROMPTS[0], temperature=1.0, seed=7)
     assert a.tokens.tolist() == c.tokens.tolist()
     greedy, _ = _greedy(vm, prompts=PROMPTS[:1], n=5)
     assert b.tokens.tolist() == greedy[0]
@@ -455,9 +455,9 @@ def test_on_error_continue_fails_only_that_invoke(vm, clean_engine):
     async def fine(m):
         return (await m.logits).argmax().item()
 
-    with vm.generate(max_new_tokens=2, on_error="continue") as run:
-        a = run.invoke(PROMPTS[0], boom)
-        b = run.invoke(PROMPTS[1], fine)
+    with vm.generate(max_new_tokens=2, on_error="continue") as tr:
+        a = tr.invoke(PROMPTS[0], boom)
+        b = tr.invoke(PROMPTS[1], fine)
     with pytest.raises(ValueError, match="only me"):
         a.result
     assert b.result == b.tokens[0].item()
@@ -468,11 +468,11 @@ def test_invoke_cancel_aborts_only_that_request(vm, clean_engine):
         async for step in m.steps():
             await m.model.layers[0].output
             if step == 1:
-                run.invokes[0].cancel()
+                tr.invokes[0].cancel()
 
-    with vm.generate(max_new_tokens=5) as run:
-        a = run.invoke(PROMPTS[0], cancel_self)
-        b = run.invoke(PROMPTS[1])
+    with vm.generate(max_new_tokens=5) as tr:
+        a = tr.invoke(PROMPTS[0], cancel_self)
+        b = tr.invoke(PROMPTS[1])
     with pytest.raises(ai.RunCancelled):
         a.result
     assert len(a.tokens) < 5 and len(b.tokens) == 5
@@ -482,9 +482,9 @@ def test_an_invoke_cancelled_before_its_job_starts_never_runs(vm, clean_engine):
     async def read(m):
         return (await m.logits).argmax().item()
 
-    with vm.generate(max_new_tokens=3) as run:
-        a = run.invoke(PROMPTS[0], read)
-        b = run.invoke(PROMPTS[1], read)
+    with vm.generate(max_new_tokens=3) as tr:
+        a = tr.invoke(PROMPTS[0], read)
+        b = tr.invoke(PROMPTS[1], read)
         a.cancel()
     with pytest.raises(ai.RunCancelled):
         a.result
@@ -536,8 +536,8 @@ def test_bad_inputs(vm):
     with pytest.raises(TypeError, match="async def"):
         vm.trace("x", lambda_not_async)
     with pytest.raises(ValueError, match="no invoke has a prompt"):
-        with vm.trace() as run:
-            run.invoke(fn)
+        with vm.trace() as tr:
+            tr.invoke(fn)
     with pytest.raises(ValueError, match="max_model_len"):
         vm.trace(list(range(300)), fn)
     with pytest.raises(ai.NotInRunError):
@@ -584,8 +584,8 @@ def test_request_waiting_for_the_token_budget_sits_steps_out(vm, hf, clean_engin
         return fn
 
     logs = [[], [], []]
-    with vm.generate(max_new_tokens=2) as run:
-        invs = [run.invoke(t, recorder(log)) for t, log in zip(texts, logs)]
+    with vm.generate(max_new_tokens=2) as tr:
+        invs = [tr.invoke(t, recorder(log)) for t, log in zip(texts, logs)]
     # with a 32-token budget not every request is scheduled in every step: a request's tasks sit
     # out the steps it is not in (their step loops do not advance), and see all its tokens
     steps = [[s for s, _, _ in log] for log in logs]

@@ -152,17 +152,17 @@ def test_batched_requests_each_get_their_adapter(setup):
     lm, vm, _, _ = setup
     adapters = ["red", "blue", "blue", "red"]
     prompts = [PROMPT, PROMPT, OTHER, OTHER]
-    with vm.trace() as run:
-        invs = [run.invoke(p, read, **({} if a is None else {"adapter": a})) for p, a in zip(prompts, adapters)]
+    with vm.trace() as tr:
+        invs = [tr.invoke(p, read, **({} if a is None else {"adapter": a})) for p, a in zip(prompts, adapters)]
     for inv, p, a in zip(invs, prompts, adapters):
         solo = vm.trace(p, read, adapter=a)
         for g, s in zip(inv.result, solo):
             torch.testing.assert_close(g, s, atol=1e-5, rtol=0)
     torch.testing.assert_close(invs[0].result[3], hf_trace(lm, read, "red")[3], atol=1e-4, rtol=0)
     torch.testing.assert_close(invs[1].result[3], hf_trace(lm, read, "blue")[3], atol=1e-4, rtol=0)
-    with vm.trace(adapter="blue") as run:          # a with block's default; an invoke may name its own
-        x = run.invoke(PROMPT, read)
-        y = run.invoke(OTHER, read, adapter="red")
+    with vm.trace(adapter="blue") as tr:          # a with block's default; an invoke may name its own
+        x = tr.invoke(PROMPT, read)
+        y = tr.invoke(OTHER, read, adapter="red")
     torch.testing.assert_close(x.result[3], invs[1].result[3], atol=1e-5, rtol=0)
     torch.testing.assert_close(y.result[3], invs[3].result[3], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="no adapter 'green'"):
@@ -190,9 +190,9 @@ def test_generation_with_adapter_steps_and_tokens(setup):
     finally:
         pm.set_adapter("red")
     assert out.tokens.tolist() == ref[0, enc["input_ids"].shape[1]:].tolist()
-    with vm.generate(max_new_tokens=n, adapter="red") as run:    # a generation's adapter; an invoke may override
-        a = run.invoke(PROMPT, count)
-        b = run.invoke(PROMPT, count, adapter="blue")
+    with vm.generate(max_new_tokens=n, adapter="red") as tr:    # a generation's adapter; an invoke may override
+        a = tr.invoke(PROMPT, count)
+        b = tr.invoke(PROMPT, count, adapter="blue")
     assert b.tokens.tolist() == out.tokens.tolist() and a.result == b.result == n
     assert a.tokens.tolist() == vm.generate(PROMPT, max_new_tokens=n, adapter="red").tokens.tolist()
 
@@ -251,10 +251,10 @@ def test_mixed_batch_base_rows_equal_a_base_only_run(setup):
     assert mixed[1] != base_only[1] and mixed[3] != base_only[3]       # the adapters do change these rows
 
     adapters = [None, "red", None, "blue"]
-    with vm.trace() as run:
-        invs = [run.invoke(p, read, adapter=a) for p, a in zip(prompts, adapters)]
-    with vm.trace() as run:
-        bases = [run.invoke(p, read) for p in prompts]
+    with vm.trace() as tr:
+        invs = [tr.invoke(p, read, adapter=a) for p, a in zip(prompts, adapters)]
+    with vm.trace() as tr:
+        bases = [tr.invoke(p, read) for p in prompts]
     for inv, base, a, p in zip(invs, bases, adapters, prompts):
         want = base.result if a is None else vm.trace(p, read, adapter=a)
         for g, w in zip(inv.result, want):

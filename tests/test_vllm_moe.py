@@ -113,8 +113,8 @@ def test_routed_edit_equals_hand_written_hook(engines):
 def test_batched_equals_solo(engines):
     _, vm = engines
     fns = [read, mask_top, read]
-    with vm.trace() as run:
-        invs = [run.invoke(p, f) for p, f in zip(PROMPTS, fns)]
+    with vm.trace() as tr:
+        invs = [tr.invoke(p, f) for p, f in zip(PROMPTS, fns)]
     for inv, p, f in zip(invs, PROMPTS, fns):
         solo = vm.trace(p, f)
         for g, s in zip(inv.result if isinstance(solo, tuple) else (inv.result,),

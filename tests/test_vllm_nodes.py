@@ -143,9 +143,9 @@ async def last_hidden(m):
 
 def test_a_failing_intervention_fails_only_its_request(two_nodes):
     want = two_nodes.trace("Hello world, this is", last_hidden)
-    with two_nodes.trace(on_error="continue") as run:
-        bad = run.invoke("The quick brown fox jumps", fails)
-        good = run.invoke("Hello world, this is", last_hidden)
+    with two_nodes.trace(on_error="continue") as tr:
+        bad = tr.invoke("The quick brown fox jumps", fails)
+        good = tr.invoke("Hello world, this is", last_hidden)
     with pytest.raises(RuntimeError, match="failed on purpose"):
         bad.result
     torch.testing.assert_close(good.result, want)

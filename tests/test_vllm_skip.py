@@ -108,8 +108,8 @@ def test_skip_one_request_among_several_in_generation(engines, vm):
 
 
 def _generate(vm, fns, n=3):
-    with vm.generate(max_new_tokens=n) as run:
-        invs = [run.invoke(p, *([f] if f else [])) for p, f in zip(PROMPTS, fns)]
+    with vm.generate(max_new_tokens=n) as tr:
+        invs = [tr.invoke(p, *([f] if f else [])) for p, f in zip(PROMPTS, fns)]
     return invs
 
 
@@ -122,11 +122,11 @@ def test_skip_from_an_invoke_without_prompt_takes_the_flat_stream(vm):
         x = await m.model.layers[0].hidden
         m.model.layers[1].skip(_new_stream(x))
 
-    with vm.trace() as run:
-        run.invoke(whole)
-        a = [run.invoke(p, _logits) for p in PROMPTS[:2]]
-    with vm.trace() as run:
-        b = [run.invoke(p, per_request, _logits) for p in PROMPTS[:2]]
+    with vm.trace() as tr:
+        tr.invoke(whole)
+        a = [tr.invoke(p, _logits) for p in PROMPTS[:2]]
+    with vm.trace() as tr:
+        b = [tr.invoke(p, per_request, _logits) for p in PROMPTS[:2]]
     clean = [vm.trace(p, _logits) for p in PROMPTS[:2]]
     for x, y, c in zip(a, b, clean):
         torch.testing.assert_close(x.result, y.result[1], rtol=1e-5, atol=1e-5)
@@ -187,9 +187,9 @@ def test_a_skip_checked_when_the_layer_runs_raises_in_the_intervention(vm):
         m.layers[1].skip(torch.zeros(1, 3, 64))          # the prompt has 5 tokens
         return (await m.logits).clone()
 
-    with vm.trace(on_error="continue") as run:
-        bad = run.invoke(PROMPTS[0], early)
-        good = run.invoke(PROMPTS[1], _logits)
+    with vm.trace(on_error="continue") as tr:
+        bad = tr.invoke(PROMPTS[0], early)
+        good = tr.invoke(PROMPTS[1], _logits)
     with pytest.raises(ReplacementError, match=r"(?s)model\.layers\.1\.skip.*\(1, 5, 64\)"):
         bad.result
     torch.testing.assert_close(good.result, _clean_logits(vm))

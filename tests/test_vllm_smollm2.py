@@ -84,10 +84,10 @@ def test_patching_clean_residual_restores_paris_early_not_late(vm):
     async def p_paris(m):
         return (await m.logits)[0].softmax(-1)[paris].item()
 
-    with vm.trace() as run:          # one engine step: three requests, each with its own patch
-        base = run.invoke(CORRUPT, p_paris)
-        early = run.invoke(CORRUPT, patch(0))
-        late = run.invoke(CORRUPT, patch(1))
+    with vm.trace() as tr:          # one engine step: three requests, each with its own patch
+        base = tr.invoke(CORRUPT, p_paris)
+        early = tr.invoke(CORRUPT, patch(0))
+        late = tr.invoke(CORRUPT, patch(1))
     assert base.result < 0.01
     assert early.result > 0.5
     assert late.result < 0.01

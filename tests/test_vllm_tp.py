@@ -91,12 +91,12 @@ async def boom(m):
 
 
 def scenario(model):
-    with model.generate(max_new_tokens=4) as run:
-        a = run.invoke(PROMPTS[0], probe)
-        b = run.invoke(PROMPTS[1], steer)
-        c = run.invoke(PROMPTS[1], force, max_new_tokens=2)
-        d = run.invoke(PROMPTS[0], probe_read)
-        e = run.invoke(PROMPTS[1], skipper)
+    with model.generate(max_new_tokens=4) as tr:
+        a = tr.invoke(PROMPTS[0], probe)
+        b = tr.invoke(PROMPTS[1], steer)
+        c = tr.invoke(PROMPTS[1], force, max_new_tokens=2)
+        d = tr.invoke(PROMPTS[0], probe_read)
+        e = tr.invoke(PROMPTS[1], skipper)
     with pytest.raises(KeyError, match="in the worker") as info:
         model.generate(PROMPTS[0], boom, max_new_tokens=2)
     notes = "\n".join(getattr(info.value, "__notes__", []))
@@ -158,8 +158,8 @@ def parity_scenario(model):
     computation), and the points of layer 1 at every step of a generation."""
     n = len(model.layers)
     reads = model.trace(PROMPT, read_points(n))
-    with model.trace() as run:
-        invs = [run.invoke(PROMPT, edit_point(0, name, 5 + i, by)) for i, (name, by) in enumerate(PARITY_EDITS)]
+    with model.trace() as tr:
+        invs = [tr.invoke(PROMPT, edit_point(0, name, 5 + i, by)) for i, (name, by) in enumerate(PARITY_EDITS)]
     gen = model.generate(PROMPT, read_each_step(1, VLLM_POINTS), max_new_tokens=3)
     return {"reads": reads, "edits": [inv.result for inv in invs], "steps": gen.result, "tokens": gen.tokens.tolist(),
             "n_layers": n}

@@ -92,8 +92,8 @@ def patch_runs(lm, corrupt, clean_states, target, positions, progress=False, des
     layers = _layers(lm)
     out = torch.zeros(len(layers), len(positions))
     for j in _progress(range(len(positions)), desc, progress):
-        with lm.trace() as run:
-            invs = [run.invoke(corrupt, _patch(layer, positions[j], clean_states[i], target), logits_to_keep=1)
+        with lm.trace() as tr:
+            invs = [tr.invoke(corrupt, _patch(layer, positions[j], clean_states[i], target), logits_to_keep=1)
                     for i, layer in enumerate(layers)]
         for i, inv in enumerate(invs):
             out[i, j] = inv.result

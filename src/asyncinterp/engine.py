@@ -17,7 +17,7 @@ serving fronts                a batch of requests coalesced into one job (``serv
 ============================  ===============================================================
 
 An engine does two things. :meth:`Engine.make_invoke` checks one invoke while
-a job is being built (so a bad input or intervention fails at ``run.invoke``,
+a job is being built (so a bad input or intervention fails at ``tr.invoke``,
 on the caller's line) and returns its result carrier; :meth:`Engine.start`
 takes the frozen job and returns an :class:`Execution`: ``wait()`` runs it (or
 waits for it), ``cancel()``/``cancel_invoke(i)`` stop it from another thread.

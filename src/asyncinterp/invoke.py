@@ -1,7 +1,7 @@
-"""Where an invoke's results go: the object ``run.invoke(...)`` returns.
+"""Where an invoke's results go: the object ``tr.invoke(...)`` returns.
 
 An :class:`Invoke` is the result carrier of one invoke of a job: it is made
-when the invoke is added (so ``with model.trace() as run: p = run.invoke(...)``
+when the invoke is added (so ``with model.trace() as tr: p = tr.invoke(...)``
 can hand it out before anything ran), the run that executes the job records
 the invoke's tasks in it, and afterwards it answers ``result``. While the
 job runs it also reaches that run, for ``cancel()`` from another thread and,
@@ -97,7 +97,7 @@ class Invoke:
     def result(self):
         """The intervention's return value (a tuple if the invoke has several)."""
         if not self.done:
-            raise RuntimeError("the run has not been executed yet; leave the `with model.trace()` block or call run.run()")
+            raise RuntimeError("the run has not been executed yet; leave the `with model.trace()` block or call tr.run()")
         return self.value()
 
     def value(self):

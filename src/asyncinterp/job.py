@@ -12,7 +12,7 @@ serving front coalesced. A job says *what* is asked:
   ``stop_per_invoke``, the generation options, a ``context`` for the
   interventions and tools;
 * where results go: ``results``, one result carrier per invoke (an
-  :class:`~asyncinterp.invoke.Invoke`, what ``run.invoke`` returns), and an
+  :class:`~asyncinterp.invoke.Invoke`, what ``tr.invoke`` returns), and an
   optional ``listener`` that hears tokens and events as they are produced.
 
 A job is built once, frozen, and never changed after it is submitted: it can
@@ -23,7 +23,7 @@ kernel's host while a forward runs (:class:`asyncinterp.run.Run`) is made
 from a job by the engine and lives only as long as that forward.
 
 This module also holds what an invoke captures when it is added (the late-
-binding check: a closure variable rebound between ``run.invoke`` and the run)
+binding check: a closure variable rebound between ``tr.invoke`` and the run)
 and the check that a callable can be an intervention.
 """
 
@@ -178,10 +178,10 @@ def _refuse(invokes, kind, on_error, results):
 
 # ----------------------------------------------------------------------- building a job
 class Trace:
-    """A job being built: ``with model.trace() as run: run.invoke(...)`` runs it on exit.
+    """A job being built: ``with model.trace() as tr: tr.invoke(...)`` runs it on exit.
 
-    ``run.invoke(input, fn)`` adds an invoke and returns its result carrier
-    (an :class:`~asyncinterp.invoke.Invoke`); ``run.run()`` (or leaving the
+    ``tr.invoke(input, fn)`` adds an invoke and returns its result carrier
+    (an :class:`~asyncinterp.invoke.Invoke`); ``tr.run()`` (or leaving the
     ``with`` block) freezes the :attr:`job` and hands it to the model's
     engine. Once frozen the job does not change: a second ``run()`` is an
     error. After the run, ``output`` is the model's output and ``stopped``
@@ -312,7 +312,7 @@ def _every_step(fn):
 
 # ----------------------------------------------------------------------- what an invoke captures
 class LateBindingError(AsyncInterpError):
-    """A variable an intervention closes over was rebound between ``run.invoke`` and the run."""
+    """A variable an intervention closes over was rebound between ``tr.invoke`` and the run."""
 
 
 def capture(fns) -> tuple:
@@ -465,4 +465,4 @@ def check_kwargs(kwargs) -> None:
             raise TypeError(
                 f"keyword argument {name}={callable_name(v)} looks like an intervention, but keyword arguments "
                 "go to the model's forward; pass interventions positionally: model.trace(x, fn) / "
-                "run.invoke(x, fn)")
+                "tr.invoke(x, fn)")

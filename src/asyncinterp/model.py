@@ -2,7 +2,7 @@
 
 ``ai.wrap(module)`` returns a :class:`Model`. It is the root of the envoy
 tree (``model.layers[3]``) and a thin facade over jobs: ``trace`` in
-scripts, ``atrace`` in async code, or a ``with model.trace() as run:`` block
+scripts, ``atrace`` in async code, or a ``with model.trace() as tr:`` block
 with several invokes make a :class:`~asyncinterp.job.Job` and hand it to the
 engine that :meth:`Model.engine` names. Language models and vLLM bring their
 own engines; the model classes only say which.
@@ -175,7 +175,7 @@ class Model(Envoy):
 
         ``model.trace(x, fn)`` returns what ``fn`` returns (a tuple for several
         functions). ``model.trace()`` returns a :class:`Trace` to fill with
-        ``run.invoke(input, fn)`` inside a ``with`` block.
+        ``tr.invoke(input, fn)`` inside a ``with`` block.
         """
         if input is _NOTHING and not fns:
             return Trace(self, "trace", on_error)
@@ -201,7 +201,7 @@ class Model(Envoy):
         from .aio import run_in_thread
         if input is _NOTHING and not fns:
             raise TypeError("atrace needs an input and an intervention; for several invokes use "
-                            "`async with model.trace() as run:` or `await run.arun()`")
+                            "`async with model.trace() as tr:` or `await tr.arun()`")
         trace = Trace(self, "trace", on_error)
         inv = trace.invoke(None if input is _NOTHING else input, *fns, **kwargs)
         execution = trace.start()

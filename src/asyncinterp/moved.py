@@ -7,6 +7,11 @@ the old name with the module at its new place, the very same module object, so
 ``from asyncinterp.models.bundled import smollm2_dir`` and
 ``import asyncinterp.envoy as e; e.Envoy is asyncinterp.Envoy`` both hold.
 Importing the new module happens only when the old name is imported.
+
+Names that were renamed inside a module (``VLLMRun`` is ``LiveJob``, the supervisor's ``Job`` is a
+``Ticket``) are in :data:`RENAMED`, the compatibility table: the module answers an old name through
+its module-level ``__getattr__`` (:func:`old_name`), silently, so old imports keep working while the
+code, tests and docs use only the one true name. An old name is never bound inside a module.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "RENAMED", "install", "old_name"]
 
 #: old module name -> where it lives now
 MOVED = {
@@ -95,6 +100,36 @@ MOVED = {
     "asyncinterp.serve.worker_failures": "asyncinterp.serve.scheduling.worker_failures",
     "asyncinterp.serve.sampling_fields": "asyncinterp.serve.scheduling.sampling_fields",
 }
+
+#: module -> {old name: "module:new name"}: names renamed in place, answered by :func:`old_name`
+RENAMED = {
+    # the vLLM driver's execution of a job in the live engine loop is not a Run (a kernel's host)
+    "asyncinterp.models.vllm": {"VLLMRun": "asyncinterp.models.vllm.jobs:LiveJob"},
+    "asyncinterp.models.vllm.driver": {"VLLMRun": "asyncinterp.models.vllm.jobs:LiveJob"},
+    # a request tracked across worker processes, before ``asyncinterp.Job`` meant the description of the work
+    "asyncinterp.serve.workers.supervisor": {"Job": "asyncinterp.serve.workers.pool:Ticket"},
+    # the ranks of a tensor-parallel launch on Ray ("job" means the description of the work)
+    "asyncinterp.distributed.ray_ranks": {"RayJob": "asyncinterp.distributed.ray_ranks:RayLaunched"},
+    # the scan's execution, before jobs and engines
+    "asyncinterp.tools.scan": {"FakeForward": "asyncinterp.tools.scan:FakeExecution"},
+    # the sandbox's policy moved to the client (issue 30), under the names the client uses
+    "asyncinterp.serve.sandbox": {"POINT_NAMES": "asyncinterp.client.policy:ASSIGNABLE_POINTS",
+                                  "DENIED_ATTRS": "asyncinterp.client.policy:REFUSED_ATTRIBUTES",
+                                  "DENIED_NAMES": "asyncinterp.client.policy:REFUSED_BUILTINS"},
+}
+
+
+def old_name(module: str, name: str):
+    """The object an old ``name`` of ``module`` stands for now (a module's ``__getattr__`` calls this).
+
+    Raises ``AttributeError`` as a module does for a name it does not have, so ``hasattr`` and
+    ``from module import name`` behave as usual for every other name.
+    """
+    target = RENAMED.get(module, {}).get(name)
+    if target is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    where, new = target.split(":")
+    return getattr(importlib.import_module(where), new)
 
 
 class _MovedLoader(importlib.abc.Loader):

@@ -52,7 +52,7 @@ def describe_cache(cache: Cache) -> dict:
             **{f: bool(getattr(cache, f)) for f in _FLAGS}}
 
 
-def build_cache(options) -> "CacheJob":
+def build_cache(options) -> "CacheIntervention":
     """The server's intervention for a cache described by :func:`describe_cache` (checked as untrusted data)."""
     if not isinstance(options, dict):
         raise DescriptionRefused("a cache of the job is not a map")
@@ -77,10 +77,10 @@ def build_cache(options) -> "CacheJob":
                       **{f: bool(options.get(f, f == "detach")) for f in _FLAGS})
     except (TypeError, ValueError) as exc:
         raise DescriptionRefused(f"a cache of the job is invalid: {exc}") from None
-    return CacheJob(cache)
+    return CacheIntervention(cache)
 
 
-class CacheJob:
+class CacheIntervention:
     """A server-side cache as an intervention: runs the cache, returns it (turned into data when answered)."""
 
     def __init__(self, cache: Cache):

@@ -2,9 +2,9 @@
 
     lm = ai.remote("http://127.0.0.1:8000", api_key="secret")     # instead of ai.LanguageModel...
     top = lm.trace("The Eiffel Tower is in", fn)                   # same functions, same results
-    with lm.trace() as run:                                        # any number of invokes, one request
-        run.invoke(clean, record)
-        p = run.invoke(corrupted, patch)
+    with lm.trace() as tr:                                        # any number of invokes, one request
+        tr.invoke(clean, record)
+        p = tr.invoke(corrupted, patch)
     g = lm.generate("Once upon a time", steer, max_new_tokens=20)  # g.result, g.tokens, g.text
 
 A remote model is one more engine that takes jobs (:mod:`asyncinterp.engine`):
@@ -128,7 +128,7 @@ class RemoteModel:
 
     # ------------------------------------------------------------------ running
     def trace(self, input=_NOTHING, *fns, on_error: str = "stop", blocking: bool = True, **kwargs):
-        """``trace(x, fn)`` returns ``fn``'s result; ``trace()`` a :class:`Trace` for ``with`` and ``run.invoke``.
+        """``trace(x, fn)`` returns ``fn``'s result; ``trace()`` a :class:`Trace` for ``with`` and ``tr.invoke``.
         ``blocking=False``: submit it and return a job handle at once (docs/jobs.md)."""
         if input is _NOTHING and not fns:
             return Trace(self, "trace", on_error)
@@ -146,7 +146,7 @@ class RemoteModel:
         """:meth:`trace` for async code (asyncio or trio); cancelling it cancels the job on the server."""
         if input is _NOTHING and not fns:
             raise TypeError("atrace needs an input and an intervention; for several invokes use "
-                            "`async with model.trace() as run:`")
+                            "`async with model.trace() as tr:`")
         await self.ainfo()
         trace = Trace(self, "trace", on_error)
         inv = trace.invoke(None if input is _NOTHING else input, *fns, **kwargs)
@@ -157,21 +157,21 @@ class RemoteModel:
                  **options):
         """As ``LanguageModel.generate``: returns the invoke (``.result``, ``.tokens``, ``.text``, ``.emitted``);
         ``blocking=False``: a job handle whose ``result()`` is that invoke."""
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
         if input is _NOTHING and not fns:
-            return run
-        inv = run.invoke(None if input is _NOTHING else input, *fns)
+            return tr
+        inv = tr.invoke(None if input is _NOTHING else input, *fns)
         if not blocking:
-            return self._submit(run, "invoke")
-        run.run()
+            return self._submit(tr, "invoke")
+        tr.run()
         return inv
 
     async def agenerate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
         """:meth:`generate` for async code."""
         await self.ainfo()
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
-        inv = run.invoke(input, *fns)
-        await run.arun()
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        inv = tr.invoke(input, *fns)
+        await tr.arun()
         return inv
 
     def stream(self, input, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
@@ -180,9 +180,9 @@ class RemoteModel:
         ``{"event": "token", "invoke", "step", "token", "text"}`` per token, ``{"event": "emit", "invoke",
         "step", "value"}`` per ``ai.serve.emit(value)``, and last ``{"event": "done", "result": invoke}``.
         """
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
-        inv = run.invoke(input, *fns)
-        execution = run.start()
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        inv = tr.invoke(input, *fns)
+        execution = tr.start()
         items = queue.Queue()
 
         def work():
@@ -210,9 +210,9 @@ class RemoteModel:
         """:meth:`stream` for async code (asyncio or trio): ``async for event in lm.astream(...)``."""
         import anyio
         await self.ainfo()
-        run = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
-        inv = run.invoke(input, *fns)
-        execution = run.start()
+        tr = Trace(self, "generate", on_error, generation=dict(options, max_new_tokens=max_new_tokens))
+        inv = tr.invoke(input, *fns)
+        execution = tr.start()
         send, receive = anyio.create_memory_object_stream(float("inf"))
         token = anyio.lowlevel.current_token()
 
@@ -280,16 +280,16 @@ class RemoteModel:
         return httpx.Timeout(t + 10.0, connect=10.0)
 
     # ------------------------------------------------------------------ kept jobs (docs/jobs.md)
-    def submit(self, run: Trace):
-        """Submit a trace built with ``run = lm.trace()`` / ``run.invoke(...)`` without waiting: a job handle
+    def submit(self, tr: Trace):
+        """Submit a trace built with ``tr = lm.trace()`` / ``tr.invoke(...)`` without waiting: a job handle
         whose ``result()`` is the list of its invokes."""
-        if not isinstance(run, Trace) or run.model is not self:
-            raise TypeError("submit takes a trace of this remote model (`run = lm.trace(); run.invoke(x, fn)`)")
-        return self._submit(run, "invokes" if run.on_error == "stop" else "invokes+")
+        if not isinstance(tr, Trace) or tr.model is not self:
+            raise TypeError("submit takes a trace of this remote model (`tr = lm.trace(); tr.invoke(x, fn)`)")
+        return self._submit(tr, "invokes" if tr.on_error == "stop" else "invokes+")
 
-    def _submit(self, run: Trace, returns: str):
+    def _submit(self, tr: Trace, returns: str):
         self.info()   # the version check, once
-        job = run.job
+        job = tr.job
         body = {**self.versions, "job": dumps_job(job), "wait": False, "returns": returns}
         return self._post_job("/v1/jobs", body, job.results)
 

@@ -1,4 +1,4 @@
-"""The process group of a tensor-parallel job, and how its ranks agree on how a run ended.
+"""The process group of a tensor-parallel launch, and how its ranks agree on how a run ended.
 
 Every rank runs the same interventions on the same (gathered) values, so a
 run normally ends the same way everywhere. When it does not (an exception on
@@ -36,7 +36,7 @@ __all__ = ["RankFailedError", "init", "agree", "rank", "world_size", "timeout_s"
 def configured_timeout() -> float:
     """Seconds a collective may wait for another rank: ``ASYNCINTERP_TP_TIMEOUT`` as it is now, or 60.
 
-    Read when needed, not at import: a Ray actor imports this module before its job's environment is set.
+    Read when needed, not at import: a Ray actor imports this module before its launch's environment is set.
     """
     return float(os.environ.get("ASYNCINTERP_TP_TIMEOUT", "60"))
 
@@ -51,7 +51,7 @@ _state = {"timeout": DEFAULT_TIMEOUT, "seq": 0}
 
 
 class RankFailedError(AsyncInterpError):
-    """Another rank of a tensor-parallel job failed (or stopped answering); the message has its error."""
+    """Another rank of a tensor-parallel launch failed (or stopped answering); the message has its error."""
 
     def __init__(self, message, failures=None):
         super().__init__(message)
@@ -59,7 +59,7 @@ class RankFailedError(AsyncInterpError):
 
 
 def init(timeout: float | None = None, backend: str = "gloo") -> None:
-    """Join the job's process group (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` from the launcher).
+    """Join the launch's process group (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` from the launcher).
 
     ``timeout``: seconds any collective may wait for another rank (default
     ``ASYNCINTERP_TP_TIMEOUT`` or 60). Idempotent: a group that is already
@@ -153,14 +153,14 @@ def agree(error=None):
             except Exception:  # noqa: BLE001
                 gone.append(r)
         raise RankFailedError(
-            f"rank(s) {gone} of the tensor-parallel job did not report the end of run {seq} within "
+            f"rank(s) {gone} of the tensor-parallel launch did not report the end of run {seq} within "
             f"{wait:g} s (crashed, killed, or stuck)") from (error or exc)
     texts = {r: kv.get(keys[r]).decode("utf-8", "replace") for r in range(world)}
     failed = {r: t for r, t in texts.items() if t != "ok" and r != me}
     if failed:
         first = min(failed)
         raise RankFailedError(
-            f"rank {first} of the tensor-parallel job failed"
+            f"rank {first} of the tensor-parallel launch failed"
             + (f" (and ranks {sorted(failed)[1:]})" if len(failed) > 1 else "")
             + f"; its error:\n{failed[first]}", failed) from error
     if error is not None:

@@ -1,4 +1,4 @@
-"""Start an N-process job from one command: ``python -m asyncinterp.distributed.launch --nproc 2 script.py``.
+"""Start an N-process launch from one command: ``python -m asyncinterp.distributed.launch --nproc 2 script.py``.
 
 Tests, users and the server (``asyncinterp serve --tensor-parallel-size 2``)
 start their ranks here instead of typing ``torchrun``. Each rank is a child
@@ -9,7 +9,7 @@ set, so that :func:`asyncinterp.distributed.init` joins the group.
 Nothing is left behind: each rank runs in its own process session and dies
 with the launcher (Linux ``PR_SET_PDEATHSIG``); when one rank fails, the
 others get ``grace`` seconds to notice (their collectives fail at once when a
-peer is gone) and are then killed, and the whole job is killed after
+peer is gone) and are then killed, and the whole launch is killed after
 ``timeout`` seconds. The exit status is the first failed rank's (rank 0
 preferred).
 
@@ -52,7 +52,7 @@ def _die_with_parent():   # runs in the child between fork and exec
 
 
 def rank_env(rank: int, nproc: int, port: int, timeout: float, env=None) -> dict:
-    """The environment of rank ``rank`` of an ``nproc``-process job on this machine."""
+    """The environment of rank ``rank`` of an ``nproc``-process launch on this machine."""
     e = dict(os.environ if env is None else env)
     e.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -63,7 +63,7 @@ def rank_env(rank: int, nproc: int, port: int, timeout: float, env=None) -> dict
 
 @dataclass
 class Launched:
-    """A running (then finished) job: one process per rank."""
+    """A running (then finished) launch: one process per rank."""
 
     procs: list
     logs: list = field(default_factory=list)
@@ -151,8 +151,8 @@ def start(argv, nproc: int = 2, timeout: float = 60.0, capture: bool = False, en
 def launch(argv, nproc: int = 2, timeout: float = 600.0, collective_timeout: float = 60.0, capture: bool = True,
            env=None, grace: float = 15.0) -> Launched:
     """Run ``python *argv`` on ``nproc`` ranks to the end (at most ``timeout`` s); no process is left behind."""
-    job = start(argv, nproc, collective_timeout, capture, env)
-    return job.wait(timeout, grace)
+    launched = start(argv, nproc, collective_timeout, capture, env)
+    return launched.wait(timeout, grace)
 
 
 def main(args=None) -> int:
@@ -160,7 +160,7 @@ def main(args=None) -> int:
         prog="python -m asyncinterp.distributed.launch",
         description="Run a script on N local ranks (gloo on CPU): RANK/WORLD_SIZE/MASTER_* set for each.")
     parser.add_argument("--nproc", "--nproc-per-node", type=int, default=2, help="ranks to start (default 2)")
-    parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    parser.add_argument("--timeout", type=float, default=None, help="kill the launch after this many seconds")
     parser.add_argument("--collective-timeout", type=float, default=60.0,
                         help="seconds a collective may wait for another rank (default 60)")
     parser.add_argument("-m", dest="module", default=None, help="run a module instead of a script")
@@ -169,15 +169,15 @@ def main(args=None) -> int:
     argv = (["-m", ns.module] if ns.module else []) + list(ns.argv)
     if not argv:
         parser.error("give a script (or -m module) to run")
-    job = start(argv, ns.nproc, ns.collective_timeout, capture=False)
+    launched = start(argv, ns.nproc, ns.collective_timeout, capture=False)
     try:
-        job.wait(ns.timeout)
+        launched.wait(ns.timeout)
     except KeyboardInterrupt:
-        job.kill()
+        launched.kill()
         return 130
-    if job.timed_out:
-        print(f"asyncinterp.distributed.launch: the job ran past {ns.timeout} s and was killed", file=sys.stderr)
-    return job.returncode
+    if launched.timed_out:
+        print(f"asyncinterp.distributed.launch: the launch ran past {ns.timeout} s and was killed", file=sys.stderr)
+    return launched.returncode
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Ranks of a tensor-parallel job as Ray actors on different nodes: the launcher's job, placed by Ray.
+"""Ranks of a tensor-parallel launch as Ray actors on different nodes: the launcher's ranks, placed by Ray.
 
-:mod:`.launch` starts a job's ranks as processes on this machine. Here each
+:mod:`.launch` starts a launch's ranks as processes on this machine. Here each
 rank is a Ray actor, and a placement group with the ``STRICT_SPREAD``
 strategy puts every rank on a different Ray node (``"SPREAD"`` or
-``"PACK"`` when one node may hold several). The ranks run the very same job
+``"PACK"`` when one node may hold several). The ranks run the very same script
 code as the launcher's: a script (or ``-m module``) with its arguments, run
 as ``__main__`` in the actor, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``/``MASTER_PORT`` (rank 0's node address and a port free
@@ -21,7 +21,7 @@ Interventions, per-invoke views and sharded views work unchanged.
 
 Nothing waits forever: the placement group must be ready within
 ``placement_timeout`` seconds (else :class:`PlacementError` says what the
-cluster lacks), every ``ray.get`` has a timeout, a job that runs past its
+cluster lacks), every ``ray.get`` has a timeout, a launch that runs past its
 ``timeout`` is killed (``timed_out``), and a rank whose actor dies (its node
 lost, the process killed) ends the wait with :class:`RanksLostError` naming
 the rank and its node; the other ranks are killed with it. The model's
@@ -41,14 +41,20 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..kernel.errors import AsyncInterpError
+from ..moved import old_name
 
-__all__ = ["PlacementError", "RanksLostError", "RayJob", "RayRanks", "RankActor"]
+__all__ = ["PlacementError", "RanksLostError", "RayLaunched", "RayRanks", "RankActor"]
+
+
+def __getattr__(name):   # old names (RayJob): the compatibility table, asyncinterp.moved.RENAMED
+    return old_name(__name__, name)
+
 
 NAMESPACE = "asyncinterp-tp"
 
 
 class RanksLostError(AsyncInterpError):
-    """A rank's Ray actor died (its node was lost, or the process was killed); the job's other ranks were stopped."""
+    """A rank's Ray actor died (its node was lost, or the process was killed); the launch's other ranks were stopped."""
 
     def __init__(self, message, ranks=(), nodes=()):
         super().__init__(message)
@@ -61,7 +67,7 @@ class PlacementError(AsyncInterpError):
 
 
 class RankActor:
-    """One rank: runs a job's script in this Ray worker process. Made a Ray actor by :func:`_actor_class`."""
+    """One rank: runs a launch's script in this Ray worker process. Made a Ray actor by :func:`_actor_class`."""
 
     def node(self) -> dict:
         """This rank's node: its Ray id, its address, and a TCP port free on it now."""
@@ -109,7 +115,7 @@ def _leave_group():
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort: the actor is killed after the job anyway
+    except Exception:  # noqa: BLE001 - best effort: the actor is killed after the launch anyway
         pass
 
 
@@ -124,8 +130,8 @@ def _actor_class():
 
 
 @dataclass
-class RayJob:
-    """A job's ranks on Ray (running, then finished): like the launcher's ``Launched``."""
+class RayLaunched:
+    """A launch's ranks on Ray (running, then finished): like the launcher's ``Launched``."""
 
     owner: "RayRanks"
     refs: list
@@ -173,14 +179,14 @@ class RayJob:
             if kill:
                 self.owner.kill()
             raise RanksLostError(
-                f"rank {rank} of the tensor-parallel job was lost (its Ray actor on node {node[:12]} died: the node "
-                f"left the cluster or the process was killed); the other ranks are stopped. Start the job again "
+                f"rank {rank} of the tensor-parallel launch was lost (its Ray actor on node {node[:12]} died: the node "
+                f"left the cluster or the process was killed); the other ranks are stopped. Start the launch again "
                 f"once the cluster has {self.owner.nproc} nodes for it ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})", [rank], [node]) from None
         except GetTimeoutError:
             return None
 
-    def wait(self, timeout: float | None = None, grace: float = 15.0) -> "RayJob":
+    def wait(self, timeout: float | None = None, grace: float = 15.0) -> "RayLaunched":
         """Wait for every rank; kill them all at ``timeout`` s or ``grace`` s after the first failure.
 
         Raises :class:`RanksLostError` as soon as a rank's actor is found dead (the others are killed).
@@ -210,7 +216,7 @@ class RayJob:
         finally:
             self.owner.kill()
         self.results = [r if r is not None else {"rank": i, "returncode": 124 if self.timed_out else -9,
-                                                 "error": "killed: " + ("the job ran past its timeout" if
+                                                 "error": "killed: " + ("the launch ran past its timeout" if
                                                                         self.timed_out else "another rank failed"),
                                                  "seconds": None}
                         for i, r in enumerate(results)]
@@ -218,7 +224,7 @@ class RayJob:
 
 
 class RayRanks:
-    """Places ``nproc`` ranks on Ray nodes and runs a job's script on them (see the module's docstring).
+    """Places ``nproc`` ranks on Ray nodes and runs a launch's script on them (see the module's docstring).
 
     ``strategy``: the placement group's (``"STRICT_SPREAD"``: one rank per
     node); ``cpus_per_rank``: the CPUs each rank's bundle reserves;
@@ -240,7 +246,7 @@ class RayRanks:
         self.name = name or f"tp-{uuid.uuid4().hex[:8]}"
         self.pg = None
         self.actors = []
-        self.job = None
+        self.launched = None
 
     # ------------------------------------------------------------------ placement
     def _connect(self):
@@ -283,7 +289,7 @@ class RayRanks:
             raise
 
     # ------------------------------------------------------------------ jobs
-    def start(self, argv: list, env=None) -> RayJob:
+    def start(self, argv: list, env=None) -> RayLaunched:
         """Start ``python *argv`` on every rank (``argv[0]`` a script, or ``["-m", "module", ...]``).
 
         ``env``: more environment for every rank, or a function of the ranks' nodes (a list of
@@ -302,10 +308,10 @@ class RayRanks:
                      MASTER_ADDR=master["ip"], MASTER_PORT=str(master["port"]),
                      ASYNCINTERP_TP_TIMEOUT=str(self.collective_timeout))
             refs.append(actor.run.remote(list(argv), e))
-        self.job = RayJob(self, refs, nodes, f"{master['ip']}:{master['port']}")
-        return self.job
+        self.launched = RayLaunched(self, refs, nodes, f"{master['ip']}:{master['port']}")
+        return self.launched
 
-    def run(self, argv: list, timeout: float = 600.0, grace: float = 15.0) -> RayJob:
+    def run(self, argv: list, timeout: float = 600.0, grace: float = 15.0) -> RayLaunched:
         """Run ``python *argv`` on the ranks to the end (at most ``timeout`` s); no actor is left behind."""
         return self.start(argv).wait(timeout, grace)
 

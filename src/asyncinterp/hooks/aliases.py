@@ -133,19 +133,19 @@ def standard_names(model) -> dict:
     out = {}
     root = model.root
     for name in ("layers", "embed", "pos_embed", "final_norm", "lm_head"):
-        e = _real_or_alias(root, name)
+        e = real_or_alias(root, name)
         if e is not None:
             out[name] = e.path
-    layers = _real_or_alias(root, "layers")
+    layers = real_or_alias(root, "layers")
     if layers is not None and len(layers):
         layer = layers[0]
         for name in ("attn", "mlp", "attn_norm", "mlp_norm"):
-            e = _real_or_alias(layer, name)
+            e = real_or_alias(layer, name)
             if e is not None:
                 out[f"layers.0.{name}"] = e.path
                 for sub in ("out_proj", "up_proj", "down_proj"):
                     if (name == "attn") == (sub == "out_proj"):
-                        s = _real_or_alias(e, sub)
+                        s = real_or_alias(e, sub)
                         if s is not None:
                             out[f"layers.0.{name}.{sub}"] = s.path
     return out
@@ -160,9 +160,6 @@ def real_or_alias(envoy, name):
     if name in submodules(envoy.module):
         return envoy.child(name)
     return resolve(envoy, name)
-
-
-_real_or_alias = real_or_alias
 
 
 def lookup(envoy, path: str):

@@ -100,7 +100,7 @@ def _batch_tensors(inputs):
 
 
 def forward_kwargs(invokes) -> dict:
-    """The forward keyword arguments given with the invokes (``run.invoke(x, fn, scale=2.0)``).
+    """The forward keyword arguments given with the invokes (``tr.invoke(x, fn, scale=2.0)``).
 
     Invokes batched into one forward must agree on them (same names, equal
     values); invokes without input and without keywords do not count.

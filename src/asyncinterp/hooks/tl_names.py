@@ -95,9 +95,6 @@ class OutputPoint(HookPoint):
         return self.label
 
 
-_child = real_or_alias   # the child of an envoy by real name, else by standard name; or None
-
-
 # sandwich norms (Gemma-2/3, OLMo-2/3, EXAONE-4, GLM-4, AFMoE): a norm applied to a branch's output before the add
 _POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")
 _POST_ATTN_NORMS = ("post_self_attn_layernorm", "post_attention_layernorm")
@@ -147,9 +144,9 @@ def tl_point(envoy, name: str):
         return envoy.standard_name(semantic)
     sub = _LAYER_OUTPUTS.get(name)
     if sub is not None:
-        branch = _child(envoy, sub)
+        branch = real_or_alias(envoy, sub)
         # a layer: it has both an attention block and an MLP (a bare attention or MLP module is not one)
-        if branch is None or _child(envoy, "mlp" if sub == "attn" else "attn") is None:
+        if branch is None or real_or_alias(envoy, "mlp" if sub == "attn" else "attn") is None:
             return None
         target, why = _contribution(envoy, sub, branch)
         if target is None:
@@ -159,7 +156,7 @@ def tl_point(envoy, name: str):
     if sub is not None:
         if envoy.parent is not None:
             return None
-        target = _child(envoy, sub)
+        target = real_or_alias(envoy, sub)
         return None if target is None else OutputPoint(envoy, name, target)
     if name == "hook_pre_linear":       # a gated MLP's linear branch (up_proj), beside hook_pre (the gate's)
         subs = submodules(envoy.module)
@@ -167,7 +164,7 @@ def tl_point(envoy, name: str):
             return OutputPoint(envoy, name, envoy.child("up_proj"))
         return None
     if name == "hook_normalized":
-        final = _child(envoy.root, "final_norm")
+        final = real_or_alias(envoy.root, "final_norm")
         if final is None or final.module is not envoy.module:
             return None     # only the final norm (ln_final); the per-layer ln1/ln2 are not offered
         return _normalized(envoy)

@@ -230,8 +230,8 @@ class DiffusionModel(Model):
         """Run the pipeline with interventions; each denoiser call is one step of the tasks.
 
         ``model.generate(prompt, fn, ...)`` returns the invoke's result
-        (``.result``, ``.images``); without a prompt it returns the run for a
-        ``with`` block (``run.invoke(prompt, fn, seed=...)`` per prompt, all in
+        (``.result``, ``.images``); without a prompt it returns the trace (``Trace``) for a
+        ``with`` block (``tr.invoke(prompt, fn, seed=...)`` per prompt, all in
         one pipeline call). ``seed``: the default seed of every invoke (each
         invoke draws its noise from its own ``torch.Generator``). Other
         keywords go to the pipeline call (``height``, ``width``, ...).
@@ -250,11 +250,11 @@ class DiffusionModel(Model):
                        num_images_per_prompt=num_images_per_prompt)
         if guidance_scale is not None:
             options["guidance_scale"] = guidance_scale
-        run = Trace(self, "generate", on_error, generation=options)
+        tr = Trace(self, "generate", on_error, generation=options)
         if prompt is _NOTHING and not fns:
-            return run
-        inv = run.invoke(None if prompt is _NOTHING else prompt, *fns)
-        run.run()
+            return tr
+        inv = tr.invoke(None if prompt is _NOTHING else prompt, *fns)
+        tr.run()
         return inv
 
 

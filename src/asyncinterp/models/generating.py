@@ -114,19 +114,19 @@ class GeneratingModel:
 
         ``model.generate(prompt, fn, max_new_tokens=20)`` returns the invoke's
         result object (``.result``, ``.tokens``, ``.text``).
-        ``model.generate(max_new_tokens=...)`` without a prompt returns the run
-        for a ``with`` block (``run.invoke(prompt, fn)`` per prompt). Decoding
+        ``model.generate(max_new_tokens=...)`` without a prompt returns the trace
+        for a ``with`` block (``tr.invoke(prompt, fn)`` per prompt). Decoding
         is greedy unless sampling keywords say otherwise; other keywords go to
         the model's own generation call. Both engines take ``stop`` (a string
         or a list: a prompt's generation ends at the token that completes one
         of them) and ``seed`` (sampling).
         """
-        run = Trace(self, "generate", on_error,
+        tr = Trace(self, "generate", on_error,
                     generation=dict(options, max_new_tokens=_checked_max_new_tokens(max_new_tokens)))
         if input is _NOTHING and not fns:
-            return run
-        inv = run.invoke(None if input is _NOTHING else input, *fns)
-        run.run()
+            return tr
+        inv = tr.invoke(None if input is _NOTHING else input, *fns)
+        tr.run()
         return inv
 
     async def agenerate(self, input=_NOTHING, *fns, max_new_tokens: int = 20, on_error: str = "stop", **options):
@@ -134,11 +134,11 @@ class GeneratingModel:
         from ..aio import run_in_thread
         if input is _NOTHING:
             raise TypeError("agenerate needs a prompt; for several prompts use "
-                            "`async with model.generate(...) as run:` and run.invoke(...)")
-        run = Trace(self, "generate", on_error,
+                            "`async with model.generate(...) as tr:` and tr.invoke(...)")
+        tr = Trace(self, "generate", on_error,
                     generation=dict(options, max_new_tokens=_checked_max_new_tokens(max_new_tokens)))
-        inv = run.invoke(input, *fns)
-        await run_in_thread(run.start())
+        inv = tr.invoke(input, *fns)
+        await run_in_thread(tr.start())
         return inv
 
     def to_tokens(self, text: str) -> list:

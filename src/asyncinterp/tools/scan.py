@@ -39,9 +39,10 @@ import torch
 
 from ..hooks.views import map_tensors
 from ..job import Trace, is_async_fn
+from ..moved import old_name
 from .cache import Cache, KeyNode
 
-__all__ = ["FakeExecution", "FakeForward", "ScanEngine", "ShapeInfo", "Shapes", "scan", "scan_run", "fake_mode"]
+__all__ = ["FakeExecution", "ScanEngine", "ShapeInfo", "Shapes", "scan", "scan_run", "fake_mode"]
 
 
 class ShapeInfo(NamedTuple):
@@ -123,8 +124,8 @@ class FakeExecution:
         return getattr(self.run, name)
 
 
-#: the name of the scan's execution before jobs (kept importable)
-FakeForward = FakeExecution
+def __getattr__(name):   # old names (FakeForward): the compatibility table, asyncinterp.moved.RENAMED
+    return old_name(__name__, name)
 
 
 def scan_run(model, on_error: str = "stop") -> Trace:
@@ -157,9 +158,9 @@ def scan(model, input, fn=None, modules=None, *, outputs: bool = True, inputs: b
         cache = Cache(modules, outputs=outputs, inputs=inputs, points=points, detach=True,
                       include_root=include_root)
         fn = cache
-    run = scan_run(model)
-    inv = run.invoke(input, fn, **kwargs)
-    run.run()
+    tr = scan_run(model)
+    inv = tr.invoke(input, fn, **kwargs)
+    tr.run()
     result = inv.result
     if cache is None:
         return result

@@ -72,39 +72,39 @@ class Session:
         return model
 
     def trace(self, input=_NOTHING, *fns, model=None, **kwargs):
-        """Run one trace now (see ``Model.trace``); returns its invoke (``.result``) or its run.
+        """Run one trace now (see ``Model.trace``); returns its invoke (``.result``) or its trace.
 
-        With no input and no intervention, returns the run to fill in a
+        With no input and no intervention, returns the trace to fill in a
         ``with`` block (it executes when the block ends, and is recorded).
         """
         self._check_open()
         m = self._model(model)
-        run = m.trace()
-        self.runs.append(run)
+        tr = m.trace()
+        self.runs.append(tr)
         if input is _NOTHING and not fns:
-            return run
-        inv = run.invoke(None if input is _NOTHING else input, *fns, **kwargs)
-        run.run()
+            return tr
+        inv = tr.invoke(None if input is _NOTHING else input, *fns, **kwargs)
+        tr.run()
         return inv
 
     def generate(self, input, *fns, model=None, **kwargs):
         """Run one generation now (``LanguageModel.generate``); returns its generation handle."""
         self._check_open()
         m = self._model(model)
-        run = m.generate(**kwargs)
-        self.runs.append(run)
-        inv = run.invoke(input, *fns)
-        run.run()
+        tr = m.generate(**kwargs)
+        self.runs.append(tr)
+        inv = tr.invoke(input, *fns)
+        tr.run()
         return inv
 
     async def atrace(self, input, *fns, model=None, **kwargs):
         """:meth:`trace` from async code (the forward runs in a worker thread)."""
         self._check_open()
         m = self._model(model)
-        run = m.trace()
-        self.runs.append(run)
-        inv = run.invoke(input, *fns, **kwargs)
-        await run.arun()
+        tr = m.trace()
+        self.runs.append(tr)
+        inv = tr.invoke(input, *fns, **kwargs)
+        await tr.arun()
         return inv
 
     # ------------------------------------------------------------- closing

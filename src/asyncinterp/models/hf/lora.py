@@ -2,7 +2,7 @@
 
     model = ai.LanguageModel(peft_model, tokenizer)      # a peft.PeftModel: adapters already attached
     model.trace(prompt, fn, adapter="b")                 # this run uses adapter "b"
-    with model.generate(max_new_tokens=5, adapter="a") as run: ...
+    with model.generate(max_new_tokens=5, adapter="a") as tr: ...
 
 The envoy tree is the transformers model with peft's layers in place, so
 paths are those of the plain model plus the LoRA parts:

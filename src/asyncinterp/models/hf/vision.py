@@ -8,9 +8,9 @@
         m.image_tokens(h)[:, 17] = 0                       # image token 17 of this invoke's image
         return await m.logits
 
-    with model.trace() as run:
-        a = run.invoke("<image> What is this?", patch17, images=[cat])
-        b = run.invoke("<image> And this?", patch17, images=[dog])
+    with model.trace() as tr:
+        a = tr.invoke("<image> What is this?", patch17, images=[cat])
+        b = tr.invoke("<image> And this?", patch17, images=[dog])
 
 Each invoke takes its own text and images; the processor runs per invoke
 and the results are batched per model family (see :mod:`.vision_inputs`).
@@ -171,7 +171,7 @@ class VisionLanguageModel(LanguageModel):
             raise ValueError(f"a VisionLanguageModel runs jobs of kind 'trace' or 'generate', not {kind!r}") from None
 
     def generate(self, input=_NO_PROMPT, *fns, images=None, **options):
-        """``LanguageModel.generate``; ``images=``: the images of this prompt (or use ``run.invoke(..., images=)``)."""
+        """``LanguageModel.generate``; ``images=``: the images of this prompt (or use ``tr.invoke(..., images=)``)."""
         if images is not None:
             input = _with_images(input, images)
         return LanguageModel.generate(self, input, *fns, **options)
@@ -230,7 +230,7 @@ LanguageModel._variants.append((is_vision_language_model, VisionLanguageModel))
 
 def _with_images(input, images):
     if input is _NO_PROMPT:
-        raise TypeError("images= needs a prompt; with several invokes pass images= to each run.invoke(...)")
+        raise TypeError("images= needs a prompt; with several invokes pass images= to each tr.invoke(...)")
     if isinstance(input, dict):
         raise TypeError("images given twice (in the input dict and as images=)")
     return {"text": input, "images": images}

@@ -8,6 +8,11 @@ vLLM's flat ``[tokens, hidden]`` batch per request; ``tp`` gathers and
 re-shards tensor-parallel values.
 """
 
-from .driver import VLLM, VLLMEngine, VLLMInvoke, VLLMRun, LiveJob, HooksUnavailableError
+from ...moved import old_name
+from .driver import VLLM, VLLMEngine, VLLMInvoke, LiveJob, HooksUnavailableError
 
-__all__ = ["VLLM", "VLLMEngine", "VLLMInvoke", "VLLMRun", "LiveJob", "HooksUnavailableError"]
+__all__ = ["VLLM", "VLLMEngine", "VLLMInvoke", "LiveJob", "HooksUnavailableError"]
+
+
+def __getattr__(name):   # old names (VLLMRun): the compatibility table, asyncinterp.moved.RENAMED
+    return old_name(__name__, name)

@@ -11,9 +11,9 @@
     gen = model.generate("Once upon a time", steer, max_new_tokens=20)
     print(gen.text, gen.tokens, gen.result)
 
-    with model.generate(max_new_tokens=10) as run:              # several requests, continuous batching
-        a = run.invoke("The capital of France is", read_logits)
-        b = run.invoke("Hello", steer, temperature=0.8, seed=1)  # its own sampling parameters
+    with model.generate(max_new_tokens=10) as tr:              # several requests, continuous batching
+        a = tr.invoke("The capital of France is", read_logits)
+        b = tr.invoke("Hello", steer, temperature=0.8, seed=1)  # its own sampling parameters
 
 What a task sees (see :mod:`.layout`): at every engine step, its own
 request's tokens as a batch of one (``[1, n, ...]``), re-read from the model
@@ -45,6 +45,7 @@ import torch
 
 from ...job import Job, Trace
 from ...model import _NOTHING
+from ...moved import old_name
 from ..generating import GeneratingModel
 from .engine import VLLMEngine
 from .environment import (
@@ -66,11 +67,12 @@ from .requests import VLLMInvoke
 from .stream import StreamListener
 from .worker import VLLMRoot, rpc_cancel, rpc_init, rpc_poll, rpc_shutdown
 
-__all__ = ["VLLM", "VLLMEngine", "VLLMInvoke", "VLLMRun", "LiveJob", "HooksUnavailableError", "EngineClosed",
+__all__ = ["VLLM", "VLLMEngine", "VLLMInvoke", "LiveJob", "HooksUnavailableError", "EngineClosed",
            "StreamListener"]
 
-#: the name of a vLLM job's execution before jobs and engines (kept importable)
-VLLMRun = LiveJob
+
+def __getattr__(name):   # old names (VLLMRun): the compatibility table, asyncinterp.moved.RENAMED
+    return old_name(__name__, name)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -220,7 +222,7 @@ class VLLM(GeneratingModel, VLLMRoot):
         if input is _NOTHING and not fns:
             if kwargs:
                 raise TypeError(f"model.trace() without a prompt takes no {sorted(kwargs)}: give sampling "
-                                "keywords to each run.invoke(...)")
+                                "keywords to each tr.invoke(...)")
             self.lora.request(adapter)                     # an unknown adapter fails here
             return Trace(self, "trace", on_error, generation=None if adapter is None else {"adapter": adapter})
         if adapter is not None:

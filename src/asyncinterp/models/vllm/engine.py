@@ -1,13 +1,16 @@
-"""The engine of a :class:`~.driver.VLLM` model: the jobs' entry into the vLLM engine.
+"""The engines of a :class:`~.driver.VLLM` model: how a job enters vLLM.
+
+Here "engine" means ours, an object that takes jobs (``make_invoke``, ``start``); vLLM's own engine
+(``vllm.LLM`` and its engine core, stepped by :mod:`.loop`) is always called *vLLM's engine*.
 
 A vLLM model has one :class:`VLLMEngine` per kind of job (``model.engine(kind)``):
 ``"trace"`` (one new token per request) and ``"generate"``. While a job is
 built, :meth:`VLLMEngine.make_invoke` checks each invoke at once, on the
-caller's line: its prompt becomes token ids that must fit the engine, and its
+caller's line: its prompt becomes token ids that must fit vLLM's engine, and its
 sampling keywords (or ``sampling_params=``) must make valid ``SamplingParams``;
 they are kept in the invoke's ``options``. Its result carrier is a
 :class:`~.requests.VLLMInvoke`. :meth:`VLLMEngine.start` takes the frozen job
-and returns the :class:`~.jobs.LiveJob` that joins the engine's live loop; the
+and returns the :class:`~.jobs.LiveJob` that joins the live loop over vLLM's engine; the
 requests' final sampling parameters are made then, from the job's generation
 options with each invoke's own keywords on top (:func:`~.requests.request_params`).
 """
@@ -61,14 +64,14 @@ class VLLMEngine:
         return inv
 
     def prompt_of(self, input) -> list:
-        """``input`` as token ids that leave room for one new token in the engine."""
+        """``input`` as token ids that leave room for one new token in vLLM's engine."""
         ids = prompt_ids(input, self.model.tokenizer)
         limit = self.model.max_model_len
         if limit is not None and len(ids) >= limit:
-            raise ValueError(f"a prompt of {len(ids)} tokens does not fit the engine's max_model_len "
+            raise ValueError(f"a prompt of {len(ids)} tokens does not fit vLLM's max_model_len "
                              f"of {limit} (it needs room for at least one new token)")
         return ids
 
     def start(self, job) -> LiveJob:
-        """The job as it joins the engine's live loop (``wait()`` submits it and waits for its requests)."""
+        """The job as it joins the live loop over vLLM's engine (``wait()`` submits it and waits for its requests)."""
         return LiveJob(self, job)

@@ -1,7 +1,7 @@
 """A job in the live vLLM engine: its requests' way through the engine loop, from admission to results.
 
 :meth:`VLLMEngine.start <.engine.VLLMEngine.start>` turns a frozen job into a
-:class:`LiveJob`, the execution that ``run.run()``, ``atrace``/``agenerate``
+:class:`LiveJob`, the execution that ``tr.run()``, ``atrace``/``agenerate``
 and serving wait on and cancel. It never hosts a kernel: the interventions run
 with the model, in a :class:`~.worker.WorkerRun` (in this process, or in every
 tensor-parallel worker). What it does is the bookkeeping of the engine loop

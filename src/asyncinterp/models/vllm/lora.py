@@ -2,9 +2,9 @@
 
     model = ai.VLLM(path, lora_modules={"red": "/adapters/red", "blue": "/adapters/blue"})
     model.trace(prompt, fn, adapter="blue")                 # this request runs with adapter "blue"
-    with model.generate(max_new_tokens=5) as run:
-        run.invoke(p, fn, adapter="red")                    # each request its own adapter, in one batch
-        run.invoke(p, fn)                                   # the base model
+    with model.generate(max_new_tokens=5) as tr:
+        tr.invoke(p, fn, adapter="red")                    # each request its own adapter, in one batch
+        tr.invoke(p, fn)                                   # the base model
     model.generate(p, fn, adapter="red")                    # a generation's default for its requests
 
 ``adapter=`` matches :class:`~asyncinterp.models.hf.lora.PeftLanguageModel`'s

@@ -172,7 +172,7 @@ def prompt_ids(input, tokenizer) -> list:
     elif isinstance(input, (list, tuple)):
         if input and all(isinstance(x, str) for x in input):
             raise ValueError("one vLLM invoke is one request: give one prompt per invoke "
-                             "(`for p in prompts: run.invoke(p, fn)`)")
+                             "(`for p in prompts: tr.invoke(p, fn)`)")
         if input and isinstance(input[0], (list, tuple)):
             if len(input) != 1:
                 raise ValueError("one vLLM invoke is one request: give one prompt per invoke")

@@ -42,9 +42,6 @@ def _sharding(paths, rank, world):
     return Sharding(paths, rank, world, vllm_all_gather)
 
 
-_even = even
-
-
 def sharding_for(module, kind: str, parent=None):
     """The :class:`Sharding` of ``module``'s ``kind`` point (``"output"``/``"inputs"``), or ``None``."""
     try:
@@ -71,20 +68,20 @@ def sharding_for(module, kind: str, parent=None):
 
     if kind == "inputs" and isinstance(module, linear.RowParallelLinear) \
             and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", world) > 1:
-        return _sharding({(0, 0): _even(module.input_size_per_partition, world, rank)}, rank, world)
+        return _sharding({(0, 0): even(module.input_size_per_partition, world, rank)}, rank, world)
 
     if name == "Attention" and hasattr(module, "num_heads") and hasattr(module, "head_size"):
         hd = module.head_size
         hd_v = getattr(module, "head_size_v", hd)
         if kind == "output":
-            return _sharding({(): _even(module.num_heads * hd_v, world, rank)}, rank, world)
+            return _sharding({(): even(module.num_heads * hd_v, world, rank)}, rank, world)
         replicas = 1
         for sibling in (parent.children() if parent is not None else ()):
             if isinstance(sibling, linear.QKVParallelLinear):
                 replicas = getattr(sibling, "num_kv_head_replicas", 1)
         kv = [Part(module.num_kv_heads * hd, range(0, world, replicas), rank // replicas)]
         kv_v = [Part(module.num_kv_heads * hd_v, range(0, world, replicas), rank // replicas)]
-        return _sharding({(0, 0): _even(module.num_heads * hd, world, rank), (0, 1): kv, (0, 2): kv_v},
+        return _sharding({(0, 0): even(module.num_heads * hd, world, rank), (0, 1): kv, (0, 2): kv_v},
                         rank, world)
 
     if name.startswith("SiluAndMul") and parent is not None and any(
@@ -92,6 +89,6 @@ def sharding_for(module, kind: str, parent=None):
         up = next(m for m in parent.children() if isinstance(m, linear.MergedColumnParallelLinear))
         sizes = up.output_partition_sizes
         if kind == "output":
-            return _sharding({(): _even(sizes[0], world, rank)}, rank, world)
+            return _sharding({(): even(sizes[0], world, rank)}, rank, world)
         return _sharding({(0, 0): [Part(s, range(world), rank) for s in sizes]}, rank, world)
     return None

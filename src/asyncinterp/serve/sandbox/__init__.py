@@ -45,17 +45,19 @@ from .namespace import modules, safe_builtins
 from .operations import STATIC_DENIED_OPS
 from ...client.policy import (ALLOWED_ATTRIBUTES, ALLOWED_MODULES, MAX_AST_NODES, MAX_NESTING, MAX_RANGE,
         MAX_SOURCE_CHARS, MAX_TENSOR_BYTES)
-from ...client.policy import ASSIGNABLE_POINTS as POINT_NAMES
-from ...client.policy import REFUSED_ATTRIBUTES as DENIED_ATTRS
-from ...client.policy import REFUSED_BUILTINS as DENIED_NAMES
 from .program import Program, ProgramCache
 from .tensors import PrivateTensor, private_copy, version_of
 from .values import Record, release, sanitize, scrub
+from ...moved import old_name
 
 __all__ = [
-    "ALLOWED_ATTRIBUTES", "ALLOWED_MODULES", "DENIED_ATTRS", "DENIED_NAMES", "MAX_AST_NODES", "MAX_NESTING",
-    "MAX_RANGE", "MAX_SOURCE_CHARS", "MAX_TENSOR_BYTES", "POINT_NAMES", "STATIC_DENIED_OPS",
+    "ALLOWED_ATTRIBUTES", "ALLOWED_MODULES", "MAX_AST_NODES", "MAX_NESTING",
+    "MAX_RANGE", "MAX_SOURCE_CHARS", "MAX_TENSOR_BYTES", "STATIC_DENIED_OPS",
     "PrivateTensor", "Program", "ProgramCache", "Record", "SafeEnvoy", "SafePoint", "SandboxRefused",
     "SandboxTimeout", "check_source", "instrument", "modules", "private_copy", "release", "safe_builtins",
     "sanitize", "scrub", "version_of",
 ]
+
+
+def __getattr__(name):   # old names (POINT_NAMES, DENIED_ATTRS, DENIED_NAMES): the compatibility table, asyncinterp.moved.RENAMED
+    return old_name(__name__, name)

@@ -9,7 +9,7 @@ endpoints, the CLI and the supervisor ask it.
 
 * :class:`EngineFront` — a model run in this process by its own forward
   (``ai.LanguageModel`` of transformers, or any module wrapped with ``ai.wrap``);
-* :class:`VLLMFront` — ``ai.VLLM`` (an in-process vLLM engine): a live
+* :class:`VLLMFront` — ``ai.VLLM`` (vLLM's engine, in process): a live
   engine with a prefix cache (salted per request), which cannot be forked.
 
 The batching itself is the :class:`~.batcher.Batcher`'s (it hands a live

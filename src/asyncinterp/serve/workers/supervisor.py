@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass
 
 from ... import aio
+from ...moved import old_name
 from ..scheduling.batcher import BatcherClosed, EventStream, GenerateResult
 from . import worker_start
 from ..scheduling.arrivals import Arrivals
@@ -65,14 +66,17 @@ from ..scheduling.engine_front import front_for
 # the pool and the failures are their own modules; their names stay importable from here
 from .pool import TICK, Pool, Ticket, WorkerHandle, reap  # noqa: F401
 
-#: the old name of a request tracked across workers (before ``asyncinterp.Job`` meant the description of the work)
-Job = Ticket
 from ..scheduling.worker_failures import (Cause, RemoteFailure, WorkerCrashed, WorkerFailure, WorkerHung,
         WorkerOutOfMemory, WorkerOverran, WorkerUnavailable, cause_of_exit, failure_for)
 
-__all__ = ["Cause", "Job", "Pool", "Ticket", "ProcessIsolation", "RemoteFailure", "SupervisedStream", "Supervisor", "TICK",
+__all__ = ["Cause", "Pool", "Ticket", "ProcessIsolation", "RemoteFailure", "SupervisedStream", "Supervisor", "TICK",
            "WorkerCrashed", "WorkerEdit", "WorkerFailure", "WorkerHandle", "WorkerHung", "WorkerOutOfMemory",
            "WorkerOverran", "WorkerSpec", "WorkerUnavailable", "cause_of_exit", "check_forkable", "failure_for", "reap"]
+
+
+def __getattr__(name):   # old names (Job, the ticket): the compatibility table, asyncinterp.moved.RENAMED
+    return old_name(__name__, name)
+
 
 # --------------------------------------------------------------------------- settings
 @dataclass
