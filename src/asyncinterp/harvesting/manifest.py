@@ -44,7 +44,7 @@ def weights_sha256(model) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())       # the buffer itself, not a copy
     return h.hexdigest()
 
 
