@@ -42,6 +42,8 @@ def weights_sha256(model) -> str:
     module = getattr(model, "module", model)
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
+        if hasattr(tensor, "to_local"):          # a tensor-parallel shard (DTensor): this rank's part
+            tensor = tensor.to_local()
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())       # the buffer itself, not a copy

@@ -83,7 +83,7 @@ class Store:
             return f.read()
 
     # ------------------------------------------------------------ manifest and resume
-    def open(self, manifest: dict) -> int:
+    def open(self, manifest: dict, marker: str = "data") -> int:
         """Check or write the manifest; remove unfinished temporary files; return the completed shard count."""
         self.fs.makedirs(self.root, exist_ok=True)
         if self.exists(MANIFEST):
@@ -102,7 +102,7 @@ class Store:
         for name in self.names():
             if _TMP in name:
                 self.fs.rm(self.path(name))
-        return self.completed()
+        return self.completed(marker)
 
     def names(self) -> list:
         if not self.fs.exists(self.root):
