@@ -70,11 +70,8 @@ def _versions(engine_kind: str) -> dict:
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
-            continue
-    if "asyncinterp" not in out:
-        from .. import __version__
-        out["asyncinterp"] = __version__
-    return out
+            out[name] = "not installed" if name == "asyncinterp" else None
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _model_identity(model) -> dict:
