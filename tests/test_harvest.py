@@ -49,28 +49,15 @@ def test_values_equal_hand_written_hooks_bit_for_bit(lm, jsonl, tmp_path):
     assert ds.column_names == ["blocks.1.hook_resid_post", "blocks.2.mlp.hook_post", "blocks.0.attn.hook_z",
                                "token_ids"]
     assert len(ds) == res.windows > 2 * 8               # several shards, the last one partial or full
-    hf = lm.module
-    layer1, mlp2, attn0 = hf.model.layers[1], hf.model.layers[2].mlp, hf.model.layers[0].self_attn
-    z = {}
-    hz = attn0.o_proj.register_forward_pre_hook(lambda m, a: z.__setitem__("z", a[0].clone()))
-    try:
-        for start in range(0, len(ds), 4):
-            rows = ds[start:start + 4]
-            ids = torch.tensor(rows["token_ids"], dtype=torch.long)
-            ref = hook_values(hf, ids, {"r": (layer1, lambda o: o), "m": (mlp2.act_fn, lambda o: o)})
-            # a gated MLP's post is act(gate) * up, the down projection's input
-            ref_m = hook_values(hf, ids, {"m": (mlp2.down_proj, lambda o: o)})  # run to set the pre-hook too
-            with torch.no_grad():
-                d_in = {}
-                h = mlp2.down_proj.register_forward_pre_hook(lambda m, a: d_in.__setitem__("x", a[0].clone()))
-                hf(ids)
-                h.remove()
-            assert torch.equal(torch.tensor(np.array(rows["blocks.1.hook_resid_post"])), ref["r"])
-            assert torch.equal(torch.tensor(np.array(rows["blocks.2.mlp.hook_post"])), d_in["x"])
-            assert torch.equal(torch.tensor(np.array(rows["blocks.0.attn.hook_z"])), z["z"])
-            del ref_m
-    finally:
-        hz.remove()
+    hf = lm.module.model
+    hooks = {"blocks.1.hook_resid_post": (hf.layers[1], "output"),
+             "blocks.2.mlp.hook_post": (hf.layers[2].mlp.down_proj, "input"),      # act(gate) * up
+             "blocks.0.attn.hook_z": (hf.layers[0].self_attn.o_proj, "input")}    # heads before o_proj
+    for start in range(0, len(ds), 4):
+        rows = ds[start:start + 4]
+        ref = hook_values(lm.module, torch.tensor(rows["token_ids"], dtype=torch.long), hooks)
+        for name, want in ref.items():
+            assert torch.equal(torch.tensor(np.array(rows[name])), want), (start, name)
 
 
 def test_windows_follow_saelens_packing(lm, docs, jsonl, tmp_path):
