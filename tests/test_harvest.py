@@ -248,3 +248,19 @@ def test_bad_arguments_say_what_to_do(lm, jsonl, tmp_path):
         _harvest(lm, str(tmp_path / "missing.jsonl"), ["blocks.0.hook_resid_post"], tmp_path / "e")
     with pytest.raises(ValueError, match="per-head|positions="):
         _harvest(lm, jsonl, ["blocks.0.attn.hook_pattern"], tmp_path / "f")
+
+
+def test_command_line_harvest_and_its_errors(jsonl, tmp_path, capsys):
+    from asyncinterp.cli import main
+    from asyncinterp.models.hf.bundled import tiny_llama_dir
+    model_dir = str(tiny_llama_dir(tmp_path / "model", seed=0))
+    args = ["harvest", model_dir, "--dataset", jsonl, "--points", "blocks.1.hook_resid_post", "--out",
+            str(tmp_path / "h"), "--context-size", "16", "--batch-size", "4", "--max-windows", "8", "--no-progress"]
+    assert main(args) == 0
+    assert "8 windows (128 tokens) in 1 shard(s)" in capsys.readouterr().out
+    assert len(ai.harvest.open(tmp_path / "h")) == 8
+    other = list(args)
+    other[other.index("blocks.1.hook_resid_post")] = "blocks.0.hook_resid_post"
+    assert main(other) == 1
+    err = capsys.readouterr().err
+    assert "holds another harvest" in err and "points" in err
