@@ -3,7 +3,8 @@
     python benchmarks/remote_roundtrip.py                       # tiny GPT-2 and SmolLM2-135M, ~1 min on 2 cores
     python benchmarks/remote_roundtrip.py --models tiny --reps 100 --out remote_roundtrip
 
-The server is ``asyncinterp serve MODEL --allow-code --threads 1`` in a
+The server is ``asyncinterp serve MODEL --allow-code --threads 1`` (its defaults otherwise: process
+isolation, the batching window of 5 ms that a lone request no longer waits) in a
 subprocess on 127.0.0.1 (as deployed); the local runs use this process's own
 instance of the same model (same weights). Same prompts, same functions, one
 BLAS thread on each side. Cases:
@@ -58,7 +59,7 @@ def _serve(name):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p))
     cli = {"tiny": "tiny-gpt2", "smollm2": "smollm2"}[name]
     proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.serve.cli", cli, "--port", str(port), "--allow-code",
-                             "--max-wait-ms", "0", "--code-budget", "30", "--timeout", "120", "--threads", "1",
+                             "--code-budget", "30", "--timeout", "120", "--threads", "1",
                              "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
     url = f"http://127.0.0.1:{port}"

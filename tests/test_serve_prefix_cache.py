@@ -34,7 +34,7 @@ import torch
 
 import asyncinterp as ai
 from asyncinterp.serve import AsyncClient, Client, Server, wire
-from asyncinterp.serve.app import Range
+from asyncinterp.serve.http.app import Range
 from test_serve_http import Live
 from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
@@ -357,7 +357,7 @@ def test_cli_flag_turns_the_cached_tokens_report_on(monkeypatch):
     cli.configure(p)
     for argv in ([], ["--enable-prompt-tokens-details"]):
         with pytest.raises(Made):
-            cli._serve(p.parse_args(argv), "a model", [], logging.getLogger("test"))
+            cli.startup.serve_forever(p.parse_args(argv), "a model", [], logging.getLogger("test"))
     assert made == [False, True]       # off by default, as in vLLM's server
 
 

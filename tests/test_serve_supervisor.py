@@ -34,7 +34,7 @@ import torch
 
 from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, RemoteError
-from asyncinterp.serve.supervisor import ProcessIsolation, Supervisor, check_forkable
+from asyncinterp.serve.workers.supervisor import ProcessIsolation, Supervisor, check_forkable
 from test_serve_http import KEY, PROMPTS, Live, free_port, last, make_server
 from serve_helpers import SPIN, model, one_thread, stop_server, wait_healthy  # noqa: F401 - fixtures are found by name
 
@@ -141,7 +141,8 @@ def healthy_and_serving(live, model):
     async def go():
         async with AsyncClient(live.url, api_key=KEY, timeout=60) as c:
             return await c.trace(SAME[5], "last"), await c.trace(SAME[6], LAST)
-    named, submitted = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        named, submitted = run(go)
     assert torch.equal(named, model.trace(SAME[5], last)) and torch.equal(submitted, model.trace(SAME[6], last))
 
 
@@ -175,7 +176,8 @@ def test_gil_holding_loop_is_killed_and_its_batch_mates_rerun(live, model):
             await poll_health(c, group, health)
             return await group, await trusted, health
 
-    ((frozen, t_frozen), *innocent), trusted, health = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        ((frozen, t_frozen), *innocent), trusted, health = run(go)
     after = stats(live)
     assert isinstance(frozen, RemoteError), frozen
     assert frozen.status == 504 and frozen.kind == "hung" and frozen.type == "WorkerHung", frozen
@@ -208,7 +210,8 @@ def test_crash_is_contained_and_its_batch_mates_rerun(live, model, name, sig):
             await poll_health(c, group, health)
             return await group, health
 
-    (crashed, *innocent), health = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        (crashed, *innocent), health = run(go)
     after = stats(live)
     assert isinstance(crashed, RemoteError), crashed
     assert crashed.status == 500 and crashed.kind == "crashed" and crashed.type == "WorkerCrashed", crashed
@@ -231,7 +234,8 @@ def test_memory_past_the_rlimit_is_contained_and_its_batch_mates_rerun(live, mod
             return await asyncio.gather(settle(c.trace(SAME[0], hog)), *[settle(c.trace(p, LAST))
                                                                           for p in SAME[1:GROUP]])
 
-    hogged, *innocent = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        hogged, *innocent = run(go)
     after = stats(live)
     assert isinstance(hogged, RemoteError), hogged
     assert hogged.status == 507 and hogged.kind == "out_of_memory" and hogged.type == "WorkerOutOfMemory", hogged
@@ -258,7 +262,8 @@ def test_a_batch_that_outlives_its_requests_is_killed_at_its_hard_deadline(live,
             after = await c.trace(SAME[1], "last")          # queued behind the sleeping batch
             return slept, t_slept, after, time.monotonic() - t0
 
-    slept, t_slept, after_value, t_all = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        slept, t_slept, after_value, t_all = run(go)
     assert isinstance(slept, RemoteError) and slept.status == 504 and slept.kind == "timeout", slept
     assert t_slept < 5, t_slept
     assert torch.equal(after_value, model.trace(SAME[1], last))
@@ -279,7 +284,8 @@ def test_streamed_events_cross_as_they_are_produced(live):
                 seen.append((ev["event"], time.monotonic() - t0))
             return seen
 
-    seen = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        seen = run(go)
     kinds = [k for k, _ in seen]
     assert kinds.count("token") == 5 and kinds.count("emit") == 5 and kinds[-1] == "done", kinds
     first = min(t for k, t in seen if k in ("token", "emit"))
@@ -297,7 +303,8 @@ def test_a_stream_whose_batch_crashed_restarts_and_ends_equal_to_its_solo_run(li
             return await asyncio.gather(settle(c.generate(SAME[0], "abort_at_step", max_new_tokens=n)), stream(),
                                         *[settle(c.generate(p, max_new_tokens=n)) for p in SAME[2:GROUP]])
 
-    crashed, events, *others = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        crashed, events, *others = run(go)
     assert isinstance(crashed, RemoteError) and crashed.kind == "crashed", crashed
     kinds = [ev["event"] for ev in events]
     assert "restart" in kinds, kinds                           # its first run's tokens had gone out
@@ -319,7 +326,8 @@ def test_a_client_leaving_cancels_its_request_in_the_worker(live):
                 if ev["event"] == "token" and ev["step"] >= 2:
                     break
     t0 = time.monotonic()
-    run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        run(go)
     deadline = t0 + 6
     while pool.worker is None or pool.worker.jobs:   # the worker answers the cancel, then the job is let go
         assert time.monotonic() < deadline, {j.id: j.state for j in pool.worker.jobs.values()}
@@ -346,7 +354,8 @@ def test_nothing_from_a_worker_is_unpickled(live, model, monkeypatch):
                                                            max_new_tokens=3)]
             return traced, events
 
-    (crashed, *values), events = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        (crashed, *values), events = run(go)
     assert isinstance(crashed, RemoteError) and crashed.kind == "crashed"
     for p, v in zip(SAME[1:GROUP], values):
         assert torch.equal(v, model.trace(p, last))
@@ -360,7 +369,8 @@ def test_budgets_and_refusals_still_apply(live):
             refused = await settle(c.trace(SAME[0], "async def f(m):\n    import os\n    return 1\n"))
             bad = await settle(c.trace(SAME[0], "last", params={"layer": "x"}))
             return spun, refused, bad
-    spun, refused, bad = run(go)
+    with live.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        spun, refused, bad = run(go)
     assert spun.status == 504 and spun.type == "SandboxTimeout" and "compute budget" in spun.message, spun
     assert refused.status == 400 and refused.kind == "refused", refused
     assert bad.status == 400 and bad.kind == "request", bad

@@ -41,8 +41,9 @@ class VLLMEngine:
         adapter = sampling.pop("adapter", None)
         given = sampling.pop("sampling_params", None)
         options = sampling if given is None else {**sampling, "sampling_params": given}
+        lora_request = None
         if adapter is not None:
-            self.model.lora.request(adapter)          # an unknown adapter fails here, on the caller's line
+            lora_request = self.model.lora.request(adapter)   # an unknown adapter fails here, on the caller's line
             options = {**options, "adapter": adapter}
         inv = describe_invoke(index, input, fns, None, deferred, VLLMInvoke, options)
         input = inv.spec.input   # (``invoke(fn)``: no prompt, describe_invoke moved fn to the interventions)
@@ -53,8 +54,10 @@ class VLLMEngine:
         inv.prompt_ids = self.prompt_of(input)
         if given is not None and sampling:
             raise TypeError("give either sampling_params=SamplingParams(...) or sampling keywords, not both")
-        # checked now (on the caller's line); made again with the job's options when the job starts
+        # made once, now (a bad option fails on the caller's line); made again when the job starts only if the
+        # job has generation options of its own for its invokes (a with-block's model.generate(...) keywords)
         inv.params = request_params(self.kind, {}, inv.spec.options)
+        inv.lora_request = lora_request
         return inv
 
     def prompt_of(self, input) -> list:

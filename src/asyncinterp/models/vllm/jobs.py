@@ -70,8 +70,10 @@ class LiveJob:
                                 f"(made by model.engine(kind).make_invoke), got {type(inv).__name__}")
             if inv.prompt_ids is None:
                 inv.prompt_ids = engine.prompt_of(inv.spec.input)
-            inv.params = request_params(job.kind, job.generation, inv.spec.options)
-            inv.lora_request = model.lora.request(inv.spec.options.get("adapter", (job.generation or {}).get("adapter")))
+            if inv.params is None or job.generation:   # else made once already, by make_invoke, from the same options
+                inv.params = request_params(job.kind, job.generation, inv.spec.options)
+                inv.lora_request = model.lora.request(inv.spec.options.get("adapter",
+                                                                           (job.generation or {}).get("adapter")))
         self.key = None               # the job key (the loop sets it)
         self.pending = set()          # ids of this job's requests still in the engine
         self.submitted = False
@@ -179,7 +181,9 @@ class LiveJob:
                 self._by_id[ext] = inv
                 self.pending.add(ext)
             if self.intervened:
-                payload = [(internal.get(inv.index), inv.spec.fns, inv.spec.background) for inv in self.invokes]
+                # the job's own invoke specs, without their prompts (the engine has them), and each one's request
+                payload = {"requests": [internal.get(inv.index) for inv in self.invokes],
+                           "invokes": tuple(inv.spec.replace(input=None, captured=()) for inv in self.invokes)}
                 job = self.job
                 options = {"kind": job.kind, "on_error": job.on_error, "stop_per_invoke": job.stop_per_invoke}
                 if model.tp > 1:
@@ -367,8 +371,8 @@ def _dumps(payload) -> bytes:
             if callable(inner) and hasattr(inner, "__module__"):
                 collect(inner, depth + 1)
 
-    for _, fns, _ in payload:
-        for fn in fns:
+    for spec in payload["invokes"]:
+        for fn in spec.fns:
             collect(fn)
     registered = []
     for mod in modules:

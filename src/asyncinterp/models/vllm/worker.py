@@ -507,7 +507,7 @@ class WorkerSession:
         """Open run ``key`` (see :func:`rpc_open`) and start its tasks."""
         if key in self.runs:
             raise RuntimeError(f"a run with key {key!r} is already open on this worker")
-        run = WorkerRun(self, worker_job(options, invokes), [rid for rid, _, _ in invokes])
+        run = WorkerRun(self, worker_job(options, invokes["invokes"]), list(invokes["requests"]))
         run.context.setdefault(EVENTS, [])
         self.runs[key] = run
         try:
@@ -567,8 +567,8 @@ def _load(payload):
 
 
 def rpc_open(worker, key, options: dict, payload):
-    """Open run ``key``: ``payload`` is ``[(request id or None, (fn, ...), background), ...]`` in invoke order
-    (cloudpickled bytes under TP).
+    """Open run ``key``: ``payload`` is ``{"requests": [request id or None, ...], "invokes": (InvokeSpec, ...)}``
+    in invoke order, the job's own invoke specs without their prompts (cloudpickled bytes under TP).
 
     ``options``: the job's ``kind``, ``on_error`` and ``stop_per_invoke``, and in process its ``context`` (which
     holds e.g. the serving batcher's request table that ``serve.emit`` looks up).
@@ -577,9 +577,9 @@ def rpc_open(worker, key, options: dict, payload):
     return None
 
 
-def worker_job(options: dict, invokes) -> Job:
-    """The job of a worker run: one invoke per ``(request id, fns, background)``, no inputs (the engine has them)."""
-    specs = tuple(InvokeSpec(None, tuple(fns), background=background) for _, fns, background in invokes)
+def worker_job(options: dict, specs) -> Job:
+    """The job of a worker run: the driver's invoke specs (no inputs: the engine has the prompts)."""
+    specs = tuple(specs)
     return Job(specs, options.get("kind", "generate"), options.get("on_error", "stop"),
                bool(options.get("stop_per_invoke")), context=frozen_mapping(options.get("context")),
                results=tuple(Invoke(i, spec) for i, spec in enumerate(specs)))

@@ -1,0 +1,45 @@
+"""The source of a function the client sends, read and parsed once per code object, not on every request.
+
+A sweep sends the same intervention thousands of times; reading it from its
+file (``inspect.getsource``) and parsing it each time cost more than the
+rest of the client's work together. Both are kept here, bounded, keyed by
+the code object (a function redefined in a notebook cell is a new code
+object, so it is read again). The parsed tree is shared: callers only read it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import threading
+from collections import OrderedDict
+
+__all__ = ["parsed_source"]
+
+_SIZE = 256
+_lock = threading.Lock()
+_cache: OrderedDict = OrderedDict()    # code object -> (dedented source, its parsed module) or the error
+
+
+def parsed_source(fn):
+    """``(source, tree)`` of ``fn`` (dedented, parsed); raises ``OSError``/``TypeError``/``SyntaxError`` as
+    ``inspect.getsource`` and ``ast.parse`` do (the same error again for the same code object)."""
+    code = fn.__code__
+    with _lock:
+        hit = _cache.get(code)
+        if hit is not None:
+            _cache.move_to_end(code)
+    if hit is None:
+        try:
+            source = textwrap.dedent(inspect.getsource(fn))
+            hit = (source, ast.parse(source))
+        except (OSError, TypeError, SyntaxError) as exc:
+            hit = exc
+        with _lock:
+            _cache[code] = hit
+            while len(_cache) > _SIZE:
+                _cache.popitem(last=False)
+    if isinstance(hit, BaseException):
+        raise hit
+    return hit

@@ -1,0 +1,182 @@
+"""Each request does each thing once (issue 30): one tokenization per prompt, one ``Job`` per process that runs
+it, and on vLLM one set of sampling parameters and one adapter request.
+
+The counters wrap the real functions (the tokenizer's encoding, ``Job``'s constructor, vLLM's
+``SamplingParams``) for the duration of one request through a real server, from the HTTP body to the answer.
+"""
+
+import contextlib
+import functools
+import threading
+
+import openai
+import pytest
+import torch
+
+import asyncinterp as ai
+from asyncinterp import job as job_module
+from asyncinterp.serve import Server
+from serve_helpers import one_thread  # noqa: F401 - fixtures are found by name
+from test_serve_http import Live
+from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
+
+KEY = "once"
+PROMPT = "The quick brown fox jumps over the"
+
+
+@contextlib.contextmanager
+def counting(tokenizer):
+    """Counts of tokenizations (by ``tokenizer``'s class: every instance of it, the engine's too) and of ``Job``
+    constructions. A tokenization is an outermost call of ``__call__``, ``encode`` or ``apply_chat_template``
+    (they call each other: a nested call is part of the same tokenization)."""
+    counts = {"tokenize": 0, "job": 0}
+    cls = type(tokenizer)
+    depth = threading.local()
+    saved = {name: cls.__dict__.get(name) for name in ("__call__", "encode", "apply_chat_template")}
+
+    def wrap(name):
+        real = getattr(cls, name)
+
+        @functools.wraps(real)
+        def counted(self, *a, **kw):
+            outer = not getattr(depth, "n", 0)
+            counts["tokenize"] += outer
+            depth.n = getattr(depth, "n", 0) + 1
+            try:
+                return real(self, *a, **kw)
+            finally:
+                depth.n -= 1
+        return counted
+
+    new_job = job_module.Job.__new__
+
+    def counted_job(cls_, *a, **kw):
+        counts["job"] += 1
+        return new_job(cls_, *a, **kw)
+
+    for name in saved:
+        setattr(cls, name, wrap(name))
+    job_module.Job.__new__ = counted_job
+    try:
+        yield counts
+    finally:
+        for name, real in saved.items():
+            if real is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, real)
+        job_module.Job.__new__ = new_job
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return ai.models.tiny("gpt2")
+
+
+@pytest.fixture(scope="module")
+def live(lm):
+    srv = Live(Server(lm, api_keys=[KEY], allow_code=True))
+    yield srv
+    srv.close()
+
+
+def test_one_openai_completion_on_transformers_tokenizes_once_and_makes_one_job(lm, live):
+    with openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        c.completions.create(model=live.server.name, prompt="warm up", max_tokens=2, temperature=0)
+        with counting(lm.tokenizer) as counts:
+            resp = c.completions.create(model=live.server.name, prompt=PROMPT, max_tokens=3, temperature=0,
+                                        logprobs=1, echo=True)
+    assert resp.choices[0].text == PROMPT + lm.tokenizer.decode(lm.generate(PROMPT, max_new_tokens=3).tokens)
+    assert counts == {"tokenize": 1, "job": 1}, counts
+
+
+def test_one_remote_trace_tokenizes_once_and_makes_one_job(lm, live):
+    remote = ai.remote(live.url, api_key=KEY)
+
+    async def read(m):
+        return (await m.lm_head.output)[:, -1].clone()
+    remote.trace("warm up", read)
+    with counting(lm.tokenizer) as counts:
+        got = remote.trace(PROMPT, read)
+    want = lm.trace(PROMPT, read)
+    assert torch.allclose(got, want, atol=1e-5)
+    # the client's own Job (it builds the job it sends) and the server's: one per process
+    assert counts == {"tokenize": 1, "job": 2}, counts
+
+
+@pytest.mark.vllm
+def test_one_openai_completion_on_vllm_tokenizes_once_and_makes_params_once(tiny_dir):
+    from vllm_helpers import cli_engine
+    from asyncinterp.models.vllm import requests as vllm_requests
+    vm = cli_engine(tiny_dir, "--disable-log-stats", "--served-model-name", "tiny-vllm")
+    srv = Live(Server(vm, api_keys=[KEY], name="tiny-vllm"))
+    made = []
+    real = vllm_requests.request_params
+
+    def counted(*a, **kw):
+        made.append(a)
+        return real(*a, **kw)
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            c.completions.create(model="tiny-vllm", prompt="warm up", max_tokens=2, temperature=0)
+            from asyncinterp.models.vllm import engine as vllm_engine, jobs as vllm_jobs
+            patches = [(vllm_engine, "request_params"), (vllm_jobs, "request_params")]
+            for mod, name in patches:
+                setattr(mod, name, counted)
+            try:
+                with counting(vm.tokenizer) as counts:
+                    resp = c.completions.create(model="tiny-vllm", prompt=PROMPT, max_tokens=3, temperature=0)
+            finally:
+                for mod, name in patches:
+                    setattr(mod, name, real)
+        assert resp.choices[0].text
+        assert counts == {"tokenize": 1, "job": 1}, counts
+        assert len(made) == 1, made          # its SamplingParams, made once
+    finally:
+        srv.close()
+        vm.close()
+
+
+# ----------------------------------------------------------------------------- process isolation
+# Registered interventions run in the worker process: one installs the same counters there, another reads them.
+_WORKER_COUNTS = {}
+
+
+async def install_counters(m):
+    import contextlib as _c
+    if "stack" not in _WORKER_COUNTS:
+        stack = _c.ExitStack()
+        _WORKER_COUNTS["counts"] = stack.enter_context(counting(ai.models.tiny("gpt2").tokenizer))
+        _WORKER_COUNTS["stack"] = stack
+    _WORKER_COUNTS["counts"].update(tokenize=0, job=0)
+    return 0
+
+
+async def read_counters(m):
+    return dict(_WORKER_COUNTS["counts"])
+
+
+def test_a_remote_trace_under_process_isolation_tokenizes_once_across_processes(lm):
+    from asyncinterp.serve.workers.supervisor import ProcessIsolation
+    server = Server(lm, api_keys=[KEY], allow_code=True, isolation=ProcessIsolation(code_worker=False))
+    server.intervention("install_counters")(install_counters)
+    server.intervention("read_counters")(read_counters)
+    srv = Live(server)
+    try:
+        remote = ai.remote(srv.url, api_key=KEY)
+
+        async def read(m):
+            return (await m.lm_head.output)[:, -1].clone()
+        remote.trace("warm up", read)
+        with ai.serve.Client(srv.url, api_key=KEY, timeout=60) as client:
+            client.trace("warm up", "install_counters")     # counters on in the worker (its previous request)
+            with counting(lm.tokenizer) as here:
+                got = remote.trace(PROMPT, read)
+            there = client.trace("x", "read_counters")
+        assert torch.allclose(got, lm.trace(PROMPT, read), atol=1e-5)
+        # this process: the client's Job and the server's one tokenization; the worker: the one Job that ran
+        assert here == {"tokenize": 1, "job": 1}, here
+        # (the reading request's own batch is a Job too, made before its intervention reads the counts)
+        assert there == {"tokenize": 0, "job": 1 + 1}, there
+    finally:
+        srv.close()
