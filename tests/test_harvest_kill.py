@@ -38,7 +38,7 @@ def _shards(out):
 def test_sigkill_three_times_then_resume_is_byte_identical(tmp_path):
     from asyncinterp.models.hf.bundled import tiny_llama_dir
     model_dir = tiny_llama_dir(tmp_path / "model", seed=0, num_hidden_layers=3)
-    data = write_jsonl(tmp_path / "docs.jsonl", corpus(160, seed=1))
+    data = write_jsonl(tmp_path / "docs.jsonl", corpus(300, seed=1))
     ref = tmp_path / "ref"
     done = subprocess.run(_cmd(model_dir, data, ref), env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -47,17 +47,20 @@ def test_sigkill_three_times_then_resume_is_byte_identical(tmp_path):
 
     out = tmp_path / "out"
     rng = random.Random(20261204)
+    # three kill points spread over the run: when the shard count reaches a target, plus a random 0-30 ms, so
+    # that a kill lands anywhere in a shard's life (its forwards, its write, its rename), whatever the machine's speed
+    third = (n_ref - 4) // 3
+    targets = [2 + i * third + rng.randrange(max(third // 2, 1)) for i in range(3)]
     log = []
-    for kill in range(3):
+    for target in targets:
         before = len(_shards(out))
         proc = subprocess.Popen(_cmd(model_dir, data, out), env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         try:
-            # wait until this run is past its start-up and has written a new shard, then kill at a random moment
             deadline = time.monotonic() + 300
-            while len(_shards(out)) <= before and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(rng.uniform(0.0, 0.8))
+            while len(_shards(out)) < target and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.03))
             assert proc.poll() is None, "the run finished before it could be killed: give it more data"
             proc.send_signal(signal.SIGKILL)
             text = proc.communicate(timeout=60)[0]
