@@ -1,0 +1,1 @@
+"""Harvest: activations over a whole dataset, to disk, and reductions of them (docs/harvest.md)."""
