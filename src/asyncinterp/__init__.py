@@ -37,6 +37,7 @@ from .hooks.grad import GradPoint, Gradients, backward, gradients
 from .tools.cache import Cache, cache
 from .tools.scan import ShapeInfo, Shapes, scan
 from .tools.session import Session
+from .harvesting import harvest
 from .hooks import aliases
 
 moved.install()   # old import paths of modules that moved (asyncinterp.envoy, asyncinterp.models.bundled, ...)
@@ -49,7 +50,7 @@ __all__ = [
     "ReplacementError", "Run", "RunCancelled", "RunStopped", "StaleEditWarning", "Steps", "Trace", "UnsetFutureError",
     "current_run", "gather", "in_loop", "point", "spawn", "wrap",
     "GradPoint", "Gradients", "backward", "gradients", "Cache", "cache", "ShapeInfo", "Shapes", "scan",
-    "Session", "aliases",
+    "Session", "aliases", "harvest",
 ]
 
 

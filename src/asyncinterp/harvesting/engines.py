@@ -1,0 +1,116 @@
+"""The engines a harvest runs windows through: transformers forwards, and vLLM's own scheduler.
+
+Why this module exists: the harvest loop hands an engine a batch of windows
+(``[B, T]`` token ids) and gets back, per point, the values at the kept
+positions as ``float32 [B, P, D]``. Each engine reads the points with the
+library's own run machinery (an intervention over ``m.at(path)``), so every
+name ``m.at`` knows works on every engine, semantic points and
+TransformerLens names included:
+
+* :class:`TransformersEngine`: one batched forward per batch (no generation,
+  no padding: windows have one length), each point copied where it fires,
+  and the forward stopped after the last point (the layers after it and the
+  unembedding are not computed; ``stop_early=False`` runs them);
+* :class:`VLLMEngine`: one request per window (``max_tokens=1``), all of a
+  batch submitted at once so vLLM's scheduler batches them at full width;
+  each point is recorded as it fires, chunk by chunk when vLLM splits a
+  prompt across engine steps, and the chunks are joined in order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernel.scheduler import current_kernel, current_task
+from ..kernel.tasks import gather
+
+__all__ = ["TransformersEngine", "VLLMEngine", "engine_for"]
+
+
+class TransformersEngine:
+    """Batched forwards of an ``ai.LanguageModel`` (or any wrapped model taking ``[B, T]`` ids)."""
+
+    kind = "transformers"
+
+    def __init__(self, model, specs, positions, stop_early: bool = True):
+        self.model = model
+        self.specs = specs
+        self.positions = positions
+        self.stop_early = stop_early
+
+    def __call__(self, ids: torch.Tensor) -> dict:
+        specs, positions = self.specs, self.positions
+        batch, context = ids.shape
+
+        async def grab(m, spec):
+            value = await m.at(spec.path)
+            return spec.take(value, positions, batch, context).to(torch.float32, copy=True)
+
+        async def harvest(m):
+            values = await gather(*(grab(m, s) for s in specs))
+            if self.stop_early:
+                m.stop()
+            return values
+
+        with torch.no_grad():
+            values = self.model.trace(ids, harvest)
+        return {s.column: v for s, v in zip(specs, values)}
+
+
+class VLLMEngine:
+    """Prompt-only requests (``max_tokens=1``) through an ``ai.VLLM`` engine's scheduler."""
+
+    kind = "vllm"
+
+    def __init__(self, model, specs, positions):
+        self.model = model
+        self.specs = specs
+        self.positions = positions
+
+    def _recorder(self, chunks):
+        specs = self.specs
+
+        async def record(m):
+            run = current_kernel().host
+            group = current_task().group
+            for i, spec in enumerate(specs):
+                point = m.at(spec.path)
+                read = point.read if point.key is not point else None
+                run.tap(point.key, self._tap(run, group, read, chunks[i]))
+        return record
+
+    @staticmethod
+    def _tap(run, group, read, out):
+        def tap(value):
+            v = run.layout.view(value, group)
+            if read is not None:
+                v = read(v)
+            out.append(v.detach().to(torch.float32, copy=True))
+        return tap
+
+    def __call__(self, ids: torch.Tensor) -> dict:
+        batch, context = ids.shape
+        per_window = [[[] for _ in self.specs] for _ in range(batch)]
+        with self.model.generate(max_new_tokens=1, temperature=0.0) as run:
+            for row, chunks in zip(ids, per_window):
+                run.invoke(row, self._recorder(chunks))
+        out = {}
+        for i, spec in enumerate(self.specs):
+            rows = []
+            for w in range(batch):
+                parts = per_window[w][i]
+                if not parts:
+                    raise RuntimeError(f"point {spec.path!r} did not fire for window {w} of the batch in vLLM")
+                whole = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+                if whole.shape[1] != context:     # the decode pass of the sampled token must not count
+                    whole = whole[:, :context]
+                rows.append(spec.take(whole, self.positions, 1, context))
+            out[spec.column] = torch.cat(rows, dim=0)
+        return out
+
+
+def engine_for(model, specs, positions, **options):
+    """The harvest engine of ``model``: vLLM for ``ai.VLLM``, transformers forwards otherwise."""
+    if type(model).__name__ == "VLLM":
+        return VLLMEngine(model, specs, positions)
+    return TransformersEngine(model, specs, positions, **options)
