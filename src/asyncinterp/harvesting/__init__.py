@@ -39,7 +39,7 @@ class Harvest:
                  positions="all", dtype="float32", batch_size: int = 8, shard_windows: int | None = None,
                  buffer_mb: float = 256, max_windows: int | None = None, max_tokens: int | None = None,
                  reductions=(), save_activations: bool = True, tokenizer=None, storage_options=None,
-                 progress: bool = True, stop_early: bool = True):
+                 progress: bool = True, stop_early: bool = True, ray=None):
         """Harvest ``points`` of ``model`` over ``dataset`` into the directory (or fsspec URL) ``out``.
 
         * ``model``: an ``ai.LanguageModel`` (transformers forwards) or ``ai.VLLM`` (prompt-only requests).
@@ -56,6 +56,9 @@ class Harvest:
         * ``reductions``: objects with ``update(HarvestBatch)`` ... (see :mod:`.batch`);
           ``save_activations=False`` keeps only their results.
         * ``stop_early`` (transformers): stop each forward after the last harvested point.
+
+        * ``ray``: compute the shards on N engine actors of a Ray cluster through Ray Data (``True``, an
+          address, or :class:`~.on_ray.RayOptions`); the same files as one process (see :mod:`.on_ray`).
 
         Returns a :class:`~.loop.HarvestResult`.
         """
@@ -105,7 +108,14 @@ class Harvest:
         manifest = build_manifest(model, engine.kind, specs, positions, dtype, spec, batch_size, shard_windows,
                                   max_windows, tokenizer, dataset_id, reductions, save_activations, stop_early)
         store = Store(out, storage_options)
-        store.open(manifest)
+        store.open(manifest, count=ray is None)
+        if ray is not None:
+            from .on_ray import run_on_ray
+            return run_on_ray(ray, model, store, windows(rows, spec, tokenizer), specs=specs, positions=positions,
+                              dtype=dtype, context_size=context_size, batch_size=batch_size,
+                              shard_windows=shard_windows, max_windows=max_windows, reductions=reductions,
+                              save_activations=save_activations, progress=progress, manifest=manifest,
+                              stop_early=stop_early, storage_options=storage_options)
         return run_loop(engine, store, windows(rows, spec, tokenizer), specs=specs, positions=positions,
                         dtype=dtype, context_size=context_size, batch_size=batch_size,
                         shard_windows=shard_windows, max_windows=max_windows, reductions=reductions,

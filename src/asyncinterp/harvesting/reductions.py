@@ -29,12 +29,12 @@ import torch
 
 from .batch import HarvestBatch
 
-__all__ = ["MeanVar", "TopK", "Histogram", "Reduction", "difference_of_means"]
+__all__ = ["MeanVar", "TopK", "Histogram", "PointReduction", "difference_of_means"]
 
 _NO_WINDOW = torch.iinfo(torch.int64).max   # an empty top-k slot: sorts after every real window
 
 
-class Reduction:
+class PointReduction:
     """The common part: the point a reduction reads and the checks every update makes."""
 
     kind = "reduction"
@@ -125,7 +125,7 @@ class _WindowTree:
         return out
 
 
-class MeanVar(Reduction):
+class MeanVar(PointReduction):
     """Running mean and variance of each unit (the last dimension) of ``point``, over all kept positions.
 
     ``result()``: ``mean`` and ``var`` (``[D]``, float64; ``var`` with Bessel's
@@ -197,7 +197,7 @@ class MeanVar(Reduction):
 
 
 # ----------------------------------------------------------------------------- top-k windows
-class TopK(Reduction):
+class TopK(PointReduction):
     """The ``k`` windows where each feature is largest, a feature being a unit of ``point`` or a direction.
 
     ``directions``: ``None`` (each unit of the point is a feature: an SAE's
@@ -316,7 +316,7 @@ class TopK(Reduction):
 
 
 # ----------------------------------------------------------------------------- histograms
-class Histogram(Reduction):
+class Histogram(PointReduction):
     """Counts of the values at ``point`` (every unit and kept position) in fixed bins.
 
     Either ``edges`` (increasing bin edges, as ``numpy.histogram``'s ``bins``
