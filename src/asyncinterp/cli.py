@@ -1,6 +1,7 @@
 """The ``asyncinterp`` command line.
 
-``asyncinterp demo`` runs the SmolLM2 demo (see :mod:`asyncinterp.demo`).
+``asyncinterp demo`` runs the SmolLM2 demo (see :mod:`asyncinterp.demo`); ``asyncinterp harvest`` writes
+activations over a dataset to disk (see :mod:`asyncinterp.harvesting.cli`).
 Subcommands register themselves in :data:`COMMANDS`: each entry is a function
 that adds a subparser to argparse's ``subparsers`` and sets ``func`` (called
 with the parsed arguments, returns the exit code). Heavy imports happen
@@ -44,8 +45,14 @@ def _add_serve(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _add_harvest(subparsers) -> None:
+    # `asyncinterp harvest`: activations over a dataset to disk (asyncinterp.harvesting.cli, docs/harvest.md)
+    from .harvesting.cli import add_parser
+    add_parser(subparsers)
+
+
 # Subcommands: functions that add a parser to `subparsers` and set `func`.
-COMMANDS = [_add_demo, _add_serve]
+COMMANDS = [_add_demo, _add_serve, _add_harvest]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,18 +124,19 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
             store.write_shard(sh.index, features_for(columns_dims, dtype, p_kept), sh.rows())
 
     for window_ids, ids in _batches(iter(window_iter), batch_size, shard_windows, first):
+        k = int(window_ids[0]) // shard_windows
+        if shard is not None and shard.index != k:
+            finish(shard)                   # the reductions' state as of the end of that shard
+            shard = None
         acts = engine(ids)
+        if shard is None:
+            if columns_dims is None:
+                columns_dims = {name: v.shape[-1] for name, v in acts.items()}
+            shard = _Shard(k, shard_windows, p_kept, columns_dims if save_activations else {}, dtype)
         if reductions:
             hb = HarvestBatch(window_ids=window_ids, token_ids=ids, acts=acts)
             for r in reductions:
                 r.update(hb)
-        k = int(window_ids[0]) // shard_windows
-        if shard is None or shard.index != k:
-            if shard is not None:
-                finish(shard)
-            if columns_dims is None:
-                columns_dims = {name: v.shape[-1] for name, v in acts.items()}
-            shard = _Shard(k, shard_windows, p_kept, columns_dims if save_activations else {}, dtype)
         if save_activations:
             shard.add(acts, ids[:, tok_slice], dtype)
         else:

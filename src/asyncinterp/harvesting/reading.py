@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
+from .points import STORAGE_DTYPES
 from .store import MANIFEST, Store
 
 __all__ = ["HarvestDataset"]
@@ -42,17 +44,17 @@ class HarvestDataset(torch.utils.data.Dataset):
         self.columns = names
         self.data = self.data.with_format("numpy", columns=names)
         self.bf16 = self.manifest.get("dtype") == "bfloat16"
+        self.dtype = STORAGE_DTYPES[self.manifest.get("dtype", "float32")][0]
 
     def __len__(self):
         return len(self.data)
 
     def _tensor(self, name, array):
-        t = torch.from_numpy(array)
         if name == "token_ids":
-            return t.long()
-        if self.bf16:
-            return t.view(torch.bfloat16) if t.dtype == torch.int16 else t.view(torch.int16).view(torch.bfloat16)
-        return t
+            return torch.from_numpy(np.asarray(array)).to(self.dtype)    # the stored dtype (the reader may widen).long()
+        if self.bf16:       # the bits, as uint16 (the reader may widen them: narrow first)
+            return torch.from_numpy(np.asarray(array).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.asarray(array)).to(self.dtype)    # the stored dtype (the reader may widen)
 
     def __getitem__(self, index):
         row = self.data[index]
