@@ -67,46 +67,62 @@ class VLLMEngine:
         self.specs = specs
         self.positions = positions
 
-    def _recorder(self, chunks):
-        specs = self.specs
-
-        async def record(m):
-            run = current_kernel().host
-            group = current_task().group
-            for i, spec in enumerate(specs):
-                point = m.at(spec.path)
-                read = point.read if point.key is not point else None
-                run.tap(point.key, self._tap(run, group, read, chunks[i]))
-        return record
-
-    @staticmethod
-    def _tap(run, group, read, out):
-        def tap(value):
-            v = run.layout.view(value, group)
-            if read is not None:
-                v = read(v)
-            out.append(v.detach().to(torch.float32, copy=True))
-        return tap
-
     def __call__(self, ids: torch.Tensor) -> dict:
         batch, context = ids.shape
         per_window = [[[] for _ in self.specs] for _ in range(batch)]
         with self.model.generate(max_new_tokens=1, temperature=0.0) as run:
             for row, chunks in zip(ids, per_window):
-                run.invoke(row, self._recorder(chunks))
+                run.invoke(row, recorder(self.specs, chunks))
         out = {}
         for i, spec in enumerate(self.specs):
-            rows = []
-            for w in range(batch):
-                parts = per_window[w][i]
-                if not parts:
-                    raise RuntimeError(f"point {spec.path!r} did not fire for window {w} of the batch in vLLM")
-                whole = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-                if whole.shape[1] != context:     # the decode pass of the sampled token must not count
-                    whole = whole[:, :context]
-                rows.append(spec.take(whole, self.positions, 1, context))
+            rows = [join_chunks(spec, per_window[w][i], self.positions, context, w) for w in range(batch)]
             out[spec.column] = torch.cat(rows, dim=0)
         return out
+
+    def reduce(self, ids: torch.Tensor, window_ids: torch.Tensor, reductions) -> list:
+        """The reductions of a batch, computed inside the engine (see :mod:`.in_engine`): one state per
+        window comes back, not the activations. ``reductions`` hold no state yet; returns copies of them
+        holding the batch's."""
+        from .in_engine import merged, window_reducer
+        batch, context = ids.shape
+        with self.model.generate(max_new_tokens=1, temperature=0.0) as run:
+            invokes = [run.invoke(row, window_reducer(self.specs, self.positions, context, int(w), row, reductions))
+                       for row, w in zip(ids, window_ids)]
+        return merged(reductions, [inv.result for inv in invokes])
+
+
+def recorder(specs, chunks):
+    """An intervention that records each point of ``specs`` as it fires for its request, chunk by chunk (vLLM
+    may split a prompt across engine steps) into ``chunks[i]``. Module-level, so that it pickles (under tensor
+    parallelism vLLM ships interventions to its workers)."""
+
+    async def record(m):
+        run = current_kernel().host
+        group = current_task().group
+        for i, spec in enumerate(specs):
+            point = m.at(spec.path)
+            read = point.read if point.key is not point else None
+            run.tap(point.key, _tap(run, group, read, chunks[i]))
+    return record
+
+
+def _tap(run, group, read, out):
+    def tap(value):
+        v = run.layout.view(value, group)
+        if read is not None:
+            v = read(v)
+        out.append(v.detach().to(torch.float32, copy=True))
+    return tap
+
+
+def join_chunks(spec, parts, positions, context, w=0):
+    """One window's recorded chunks of ``spec`` joined, at the kept positions: ``[1, P, D]``."""
+    if not parts:
+        raise RuntimeError(f"point {spec.path!r} did not fire for window {w} of the batch in vLLM")
+    whole = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if whole.shape[1] != context:     # the decode pass of the sampled token must not count
+        whole = whole[:, :context]
+    return spec.take(whole, positions, 1, context)
 
 
 def engine_for(model, specs, positions, **options):

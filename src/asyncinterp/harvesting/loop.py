@@ -12,6 +12,7 @@ restored, and the run goes on where it stopped.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
     from tqdm.auto import tqdm
     start = time.perf_counter()
     done = store.completed("data" if save_activations else "reductions")
+    empty = [copy.deepcopy(r) for r in reductions]     # before any state: what in-engine reductions start from
     if done and reductions:
         store.load_state(done - 1, reductions)
     first = done * shard_windows
@@ -128,12 +130,18 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
         if shard is not None and shard.index != k:
             finish(shard)                   # the reductions' state as of the end of that shard
             shard = None
-        acts = engine(ids)
+        in_engine = reductions and not save_activations and hasattr(engine, "reduce")
+        if in_engine:        # vLLM: reduced where the interventions run; only the reductions' state comes back
+            for r, part in zip(reductions, engine.reduce(ids, window_ids, empty)):
+                r.merge(part)
+            acts = {}
+        else:
+            acts = engine(ids)
         if shard is None:
             if columns_dims is None:
                 columns_dims = {name: v.shape[-1] for name, v in acts.items()}
             shard = _Shard(k, shard_windows, p_kept, columns_dims if save_activations else {}, dtype)
-        if reductions:
+        if reductions and not in_engine:
             hb = HarvestBatch(window_ids=window_ids, token_ids=ids, acts=acts)
             for r in reductions:
                 r.update(hb)

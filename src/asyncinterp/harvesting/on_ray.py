@@ -245,10 +245,11 @@ def run_on_ray(options, engine_model, store: Store, window_iter, *, specs, posit
     bar.update(sum(sizes[k] for k in sizes if k not in {i["shard"] for i in items}) * context_size)
     computed = 0
     if items:
+        ray.data.DataContext.get_current().enable_progress_bars = False     # ours (tqdm) counts tokens
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         factory = options.model if options.model is not None else Rebuild(engine_model)
         results = ds.map_batches(
-            ShardWorker, batch_size=1, concurrency=options.actors, num_cpus=options.num_cpus,
+            ShardWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=options.actors), num_cpus=options.num_cpus,
             num_gpus=options.num_gpus or None, zero_copy_batch=True,
             fn_constructor_kwargs=dict(
                 factory=factory, specs=specs, positions=positions, dtype=dtype,

@@ -23,6 +23,7 @@ steering vector that ``asyncinterp serve --edit NAME=steer:@FILE`` and
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -39,15 +40,22 @@ class PointReduction:
 
     kind = "reduction"
 
-    def __init__(self, point: str):
+    def __init__(self, point: str, name: str | None = None):
         if not isinstance(point, str) or not point:
             raise TypeError(f"a reduction reads one point, named by a string (got {point!r})")
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise ValueError(f"a reduction's name is a file-name-safe string, got {name!r}")
         self.point = point
+        self._name = name
 
     @property
     def name(self) -> str:
-        """A file-name-safe key for this reduction's state and result (``mean_var.blocks.1.hook_resid_post``)."""
-        return f"{self.kind}.{self.point}"
+        """The key of this reduction's result (``result-NAME.safetensors``): ``name=`` as given, or
+        ``KIND.POINT`` (``mean_var.blocks.1.hook_resid_post``)."""
+        return self._name or f"{self.kind}.{self.point}{self._suffix()}"
+
+    def _suffix(self) -> str:
+        return ""
 
     def _acts(self, batch: HarvestBatch) -> torch.Tensor:
         acts = batch.acts.get(self.point)
@@ -68,6 +76,12 @@ class PointReduction:
 
     def config(self) -> tuple:
         return (self.point,)
+
+    def describe(self) -> dict:
+        """What the harvest's manifest records of this reduction: a resume with other settings is refused."""
+        h = hashlib.sha256(repr(self.config()).encode())
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "name": self.name,
+                "point": self.point, "settings_sha256": h.hexdigest()[:16]}
 
     def __repr__(self):
         return f"{type(self).__name__}({self.point!r})"
@@ -136,8 +150,8 @@ class MeanVar(PointReduction):
 
     kind = "mean_var"
 
-    def __init__(self, point: str):
-        super().__init__(point)
+    def __init__(self, point: str, name: str | None = None):
+        super().__init__(point, name)
         self._tree = _WindowTree()
         self.width = None
 
@@ -215,8 +229,8 @@ class TopK(PointReduction):
 
     kind = "top_k"
 
-    def __init__(self, point: str, k: int = 10, directions: torch.Tensor | None = None):
-        super().__init__(point)
+    def __init__(self, point: str, k: int = 10, directions: torch.Tensor | None = None, name: str | None = None):
+        super().__init__(point, name)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"TopK: k must be a positive integer, got {k!r}")
         self.k = k
@@ -230,6 +244,12 @@ class TopK(PointReduction):
             directions = directions.detach().to(torch.float32).contiguous()
         self.directions = directions
         self.values = self.window_ids = self.positions = None
+
+    def _suffix(self) -> str:
+        if self.directions is None:
+            return f".k{self.k}"
+        digest = hashlib.sha256(self.directions.numpy().tobytes()).hexdigest()[:8]
+        return f".k{self.k}.directions-{digest}"
 
     def config(self) -> tuple:
         d = self.directions
@@ -294,7 +314,7 @@ class TopK(PointReduction):
             self.values = self.window_ids = self.positions = None
             return
         _expect_keys(self, d, ("values", "window_ids", "positions"))
-        if d["values"].shape[1] != self.k:
+        if d["values"].shape[1] > self.k:
             raise ValueError(f"{self.name}: a saved state of k={d['values'].shape[1]}, this reduction has k={self.k}")
         self.values, self.window_ids, self.positions = (d[k].clone() for k in ("values", "window_ids", "positions"))
 
@@ -331,8 +351,9 @@ class Histogram(PointReduction):
 
     kind = "histogram"
 
-    def __init__(self, point: str, edges=None, *, bins: int | None = None, range: tuple | None = None):
-        super().__init__(point)
+    def __init__(self, point: str, edges=None, *, bins: int | None = None, range: tuple | None = None,
+                 name: str | None = None):
+        super().__init__(point, name)
         if edges is not None:
             if bins is not None or range is not None:
                 raise ValueError("Histogram: give either edges, or bins and range")
@@ -348,6 +369,10 @@ class Histogram(PointReduction):
         self.edges = edges
         self.counts = torch.zeros(edges.numel() + 1, dtype=torch.int64)   # below, the bins, above
         self.nan = torch.zeros((), dtype=torch.int64)
+
+    def _suffix(self) -> str:
+        digest = hashlib.sha256(self.edges.numpy().tobytes()).hexdigest()[:8]
+        return f".bins{self.edges.numel() - 1}-{digest}"
 
     def config(self) -> tuple:
         return (self.point, self.edges.numpy().tobytes())
