@@ -211,7 +211,7 @@ class JumpReLUSAE(torch.nn.Module):
         return self.encode(x) @ self.W_dec + self.b_dec
 
 
-def test_topk_per_sae_feature_read_at_the_spliced_sae(gpt2_hf):
+def test_topk_per_sae_feature_read_at_the_spliced_sae(gpt2_hf, tmp_path):
     """The SAE attached and spliced in at blocks.1.hook_resid_post (docs/attach.md); its feature point feeds TopK."""
     model = ai.wrap(gpt2_hf)
     sae = JumpReLUSAE(32, 24)
@@ -243,6 +243,21 @@ def test_topk_per_sae_feature_read_at_the_spliced_sae(gpt2_hf):
     h.remove()
     torch.testing.assert_close(torch.cat(feats), want)
     check_topk(r.result(), reference_topk(torch.cat(feats), 3))
+
+    # TopK(point, sae=...) reads the same features at the SAE's own point, from the harvested residual,
+    # here through ai.harvest over the same windows (pre-tokenised rows), keeping only the reduction
+    import datasets
+    rows = datasets.Dataset.from_dict({"input_ids": windows.tolist()})
+    by_sae = TopK(POINT, k=3, sae=sae)
+    res = ai.harvest(ai.wrap(gpt2_hf), rows, [POINT], str(tmp_path / "h"), context_size=7, batch_size=4,
+                     shard_windows=4, reductions=[by_sae], save_activations=False, progress=False)
+    got = res.reductions[by_sae.name]
+    want = r.result()
+    assert got["window_ids"].tolist() == want["window_ids"].tolist()
+    assert got["positions"].tolist() == want["positions"].tolist()
+    torch.testing.assert_close(got["values"], want["values"])
+    with pytest.raises(ValueError, match="no submodule 'nope'"):
+        TopK(POINT, sae=sae, feature="nope")
 
 
 # ----------------------------------------------------------------------------- histograms

@@ -23,6 +23,7 @@ steering vector that ``asyncinterp serve --edit NAME=steer:@FILE`` and
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 
@@ -214,10 +215,13 @@ class MeanVar(PointReduction):
 class TopK(PointReduction):
     """The ``k`` windows where each feature is largest, a feature being a unit of ``point`` or a direction.
 
-    ``directions``: ``None`` (each unit of the point is a feature: an SAE's
-    feature point, spliced in as in docs/attach.md), a ``[D]`` direction or a
-    ``[F, D]`` matrix of directions (a feature's activation is the dot
-    product with its direction). A window's score is the feature's largest
+    ``directions``: ``None`` (each unit of the point is a feature), a ``[D]``
+    direction or a ``[F, D]`` matrix of directions (a feature's activation is
+    the dot product with its direction). ``sae``: an SAE (SAELens's, or any
+    module) that reads ``point``; its features are the output of its
+    ``feature`` submodule (``hook_sae_acts_post``), as the SAE spliced into the
+    model at ``point`` gives them (docs/attach.md; see :mod:`.sae_features`).
+    A window's score is the feature's largest
     value over the kept positions (``positions``: where it is, the first such
     position on ties). Ties between windows go to the lower window id, so the
     result does not depend on the order or split in which windows arrive.
@@ -229,11 +233,18 @@ class TopK(PointReduction):
 
     kind = "top_k"
 
-    def __init__(self, point: str, k: int = 10, directions: torch.Tensor | None = None, name: str | None = None):
+    def __init__(self, point: str, k: int = 10, directions: torch.Tensor | None = None, name: str | None = None,
+                 *, sae: torch.nn.Module | None = None, feature: str = "hook_sae_acts_post"):
         super().__init__(point, name)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"TopK: k must be a positive integer, got {k!r}")
+        if sae is not None and directions is not None:
+            raise ValueError("TopK: give directions or an sae, not both")
         self.k = k
+        self.sae = None
+        if sae is not None:
+            from .sae_features import SAEFeatures
+            self.sae = SAEFeatures(sae, feature)
         if directions is not None:
             directions = torch.as_tensor(directions)
             if directions.dim() == 1:
@@ -245,7 +256,16 @@ class TopK(PointReduction):
         self.directions = directions
         self.values = self.window_ids = self.positions = None
 
+    def __deepcopy__(self, memo):            # the settings (directions, SAE) are shared; the state is copied
+        out = copy.copy(self)
+        for key in ("values", "window_ids", "positions"):
+            value = getattr(self, key)
+            setattr(out, key, None if value is None else value.clone())
+        return out
+
     def _suffix(self) -> str:
+        if self.sae is not None:
+            return f".k{self.k}.sae-{self.sae.digest[:8]}"
         if self.directions is None:
             return f".k{self.k}"
         digest = hashlib.sha256(self.directions.numpy().tobytes()).hexdigest()[:8]
@@ -253,10 +273,13 @@ class TopK(PointReduction):
 
     def config(self) -> tuple:
         d = self.directions
-        return (self.point, self.k, None if d is None else (tuple(d.shape), d.numpy().tobytes()))
+        return (self.point, self.k, None if d is None else (tuple(d.shape), d.numpy().tobytes()),
+                None if self.sae is None else self.sae.digest)
 
     def _scores(self, acts: torch.Tensor) -> torch.Tensor:
         """``[F, P]`` feature activations of one window ``[P, D]`` (float32)."""
+        if self.sae is not None:
+            return self.sae(acts).T
         acts = acts.to(torch.float32)
         if self.directions is None:
             return acts.T
@@ -332,6 +355,7 @@ class TopK(PointReduction):
 
     def __repr__(self):
         d = "" if self.directions is None else f", directions={tuple(self.directions.shape)}"
+        d += "" if self.sae is None else f", sae={type(self.sae.sae).__name__}"
         return f"TopK({self.point!r}, k={self.k}{d})"
 
 
