@@ -22,6 +22,7 @@ import copy
 import torch
 
 from .batch import HarvestBatch
+from .vllm_capture import join_chunks, recorder
 
 __all__ = ["window_reducer", "merged"]
 
@@ -29,7 +30,6 @@ __all__ = ["window_reducer", "merged"]
 def window_reducer(specs, positions, context: int, window_id: int, token_ids, reductions):
     """The intervention of one window's request: record ``specs``, then return the reductions' states of
     this window (a list, one ``state_dict`` per reduction, in order)."""
-    from .engines import join_chunks, recorder
     templates = [copy.deepcopy(r) for r in reductions]   # pickled with the intervention: no driver state
     token_ids = token_ids.detach().clone()
 
