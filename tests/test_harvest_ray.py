@@ -201,3 +201,10 @@ def test_a_killed_driver_resumes_with_only_the_missing_shards(cluster, lm, data,
     assert got.computed_shards == ref.shards - got.resumed_shards
     assert sha256_tree(out) == sha256_tree(ref_dir)
     assert_same_results(got.reductions, ref.reductions)
+
+
+def test_the_page_runs_on_the_cluster(cluster):
+    """docs/harvest-reductions.md, every block (its Ray block on this module's two-node cluster)."""
+    from docsnippets import run_page
+    ns = run_page("harvest-reductions.md")
+    assert ns["spread"].computed_shards == ns["spread"].shards == ns["local"].shards

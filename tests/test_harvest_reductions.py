@@ -354,3 +354,15 @@ def test_a_steering_point_that_is_no_modules_output_is_refused(tmp_path):
     sv = SteeringVector("blocks.1.hook_resid_pre", torch.ones(lm.config.hidden_size))
     with pytest.raises(ValueError, match="not a module's output"):
         sv.save(str(tmp_path / "x.json"), lm)
+
+
+def test_the_reductions_page_runs():
+    """docs/harvest-reductions.md, its blocks up to the Ray section (tests/test_harvest_ray.py runs them all)."""
+    from docsnippets import python_blocks
+    ns = {"__name__": "__docs__"}
+    blocks = [b for b in python_blocks("harvest-reductions.md") if "ray=" not in b]
+    assert len(blocks) >= 5
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"harvest-reductions.md[block {i}]", "exec"), ns)  # noqa: S102 - our own docs
+    assert ns["features"]["window_ids"].shape == (128, 3)
+    assert ns["vector"].vector.shape == (64,)
