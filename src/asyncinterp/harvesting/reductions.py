@@ -153,7 +153,7 @@ class MeanVar(PointReduction):
 
     def __init__(self, point: str, name: str | None = None):
         super().__init__(point, name)
-        self._tree = _WindowTree()
+        self.tree = _WindowTree()
         self.width = None
 
     def update(self, batch: HarvestBatch) -> None:
@@ -166,7 +166,7 @@ class MeanVar(PointReduction):
             x = acts[i].to(torch.float64)              # one window at a time: the same shapes, so the same bits
             mean = x.sum(0) / p
             m2 = (x - mean).square().sum(0)
-            self._tree.add(int(w), 0, (float(p), mean, m2))
+            self.tree.add(int(w), 0, (float(p), mean, m2))
 
     def _check_width(self, d: int) -> None:
         if self.width is None:
@@ -178,13 +178,13 @@ class MeanVar(PointReduction):
         self._check_other(other)
         if other.width is not None:
             self._check_width(other.width)
-        for (start, level), value in sorted(other._tree.nodes.items()):
-            self._tree.add(start, level, value)
+        for (start, level), value in sorted(other.tree.nodes.items()):
+            self.tree.add(start, level, value)
 
     def state_dict(self) -> dict:
-        keys = sorted(self._tree.nodes)
+        keys = sorted(self.tree.nodes)
         d = self.width or 0
-        vals = [self._tree.nodes[k] for k in keys]
+        vals = [self.tree.nodes[k] for k in keys]
         return {
             "starts": torch.tensor([k[0] for k in keys], dtype=torch.int64),
             "levels": torch.tensor([k[1] for k in keys], dtype=torch.int64),
@@ -199,11 +199,11 @@ class MeanVar(PointReduction):
         for s, lv, n, mean, m2 in zip(d["starts"].tolist(), d["levels"].tolist(), d["counts"].tolist(),
                                       d["means"], d["m2"]):
             tree.nodes[(s, lv)] = (n, mean.clone(), m2.clone())
-        self._tree = tree
+        self.tree = tree
         self.width = d["means"].shape[1] if len(tree.nodes) else None
 
     def result(self) -> dict:
-        total = self._tree.total()
+        total = self.tree.total()
         if total is None:
             raise ValueError(f"{self.name}: no windows were seen, so there is no mean")
         n, mean, m2 = total

@@ -66,8 +66,8 @@ class SAEFeatures:
         with torch.no_grad():
             return self._wrapped.trace(acts.to(dtype), read)
 
-    def __getstate__(self):                 # the wrapper holds locks; it is made again where it is used
-        return {**self.__dict__, "_wrapped": None}
+    def __reduce__(self):                   # the wrapper holds locks; it is made again where it is used
+        return (SAEFeatures, (self.sae, self.feature))
 
     def __deepcopy__(self, memo):           # immutable: copies of a reduction share the SAE
         return self
