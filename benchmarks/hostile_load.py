@@ -265,7 +265,7 @@ def main(argv=None):
 def _server(model, key, budget, args):
     isolation = "thread"
     if args.isolation == "process":
-        from asyncinterp.serve.supervisor import ProcessIsolation
+        from asyncinterp.serve.workers.supervisor import ProcessIsolation
         isolation = ProcessIsolation(hang_timeout=args.hang_timeout, memory_limit=1 << 30)
     server = Server(model, api_keys=[key], allow_code=True, exact=True, max_batch=32, max_wait_ms=3, timeout=30,
                     code_budget=budget, max_queue=1024, builtin_interventions=False, isolation=isolation)

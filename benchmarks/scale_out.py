@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 def start(config: str, model: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "asyncinterp.serve.replicas", model, "--port", str(port), "--threads", "1",
+    cmd = [sys.executable, "-m", "asyncinterp.serve.scale.replicas", model, "--port", str(port), "--threads", "1",
            "--log-level", "warning", "--max-new-tokens", "64"]
     if config.startswith("ray-"):
         cmd += ["--replicas", config.split("-")[1]]

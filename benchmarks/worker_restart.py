@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 
 from asyncinterp.serve import AsyncClient, RemoteError, Server  # noqa: E402
 from asyncinterp.serve.cli import load_model  # noqa: E402
-from asyncinterp.serve.supervisor import ProcessIsolation  # noqa: E402
+from asyncinterp.serve.workers.supervisor import ProcessIsolation  # noqa: E402
 from hostile_load import Live  # noqa: E402
 
 PROMPT = "The capital of France is"

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional
 import torch
 
 from asyncinterp.serve import emit
-from asyncinterp.serve.app import ModulePath, Range
+from asyncinterp.serve.http.app import ModulePath, Range
 
 
 def _tensor(out):

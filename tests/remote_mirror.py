@@ -4,7 +4,7 @@
 (a dispatcher app: ``/m<n>/v1/...`` is model ``n``'s :class:`~asyncinterp.serve.Server`,
 created when the page first runs a job on it, with ``--allow-code``). While
 active, the engines' ``start`` is wrapped: each job is first sent, unchanged,
-to the model's server (:class:`~asyncinterp.serve.remote.RemoteExecution`,
+to the model's server (:class:`~asyncinterp.client.remote.RemoteExecution`,
 the same function objects), then run locally as the page wrote it; the
 remote results must equal the local ones (1e-5). A job that fails remotely
 but not locally is recorded with its error (``records``): the test checks
@@ -21,7 +21,7 @@ from asyncinterp.engine import ForwardEngine
 from asyncinterp.tools.cache import Cache
 from asyncinterp.models.hf.runs import LMForwardEngine, LMGenerateEngine
 from asyncinterp.serve import Server
-from asyncinterp.serve.remote import RemoteExecution, RemoteGeneration, RemoteInvoke, RemoteModel
+from asyncinterp.client.remote import RemoteExecution, RemoteGeneration, RemoteInvoke, RemoteModel
 from docsnippets import python_blocks
 from remote_helpers import Live
 
@@ -115,7 +115,7 @@ class Mirror:
         try:
             for inv in carriers:
                 for fn in inv.spec.fns:
-                    from asyncinterp.serve.remote_check import check_names
+                    from asyncinterp.client.remote_check import check_names
                     check_names(fn, remote.tree())
             RemoteExecution(remote, job.replace(results=carriers, listener=None)).wait()
         except Exception as exc:  # noqa: BLE001 - compared with the local outcome below

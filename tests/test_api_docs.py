@@ -44,6 +44,6 @@ def test_broken_cross_reference_is_caught():
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     assert b._resolves("StopForward", "asyncinterp.run", "Run.start", False)
-    assert b._resolves("close", "asyncinterp.serve.client", "Client", True)
+    assert b._resolves("close", "asyncinterp.client.clients", "Client", True)
     assert b._resolves("asyncinterp.hooks.host.RunHost", "asyncinterp", "", False)
     assert not b._resolves("NoSuchThing", "asyncinterp.run", "Run.start", False)

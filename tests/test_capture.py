@@ -7,10 +7,10 @@ import torch
 
 import asyncinterp as ai
 from asyncinterp.serve import wire
-from asyncinterp.serve.capture import FORMAT, Capture, describe
-from asyncinterp.serve.dryrun import dry_run
-from asyncinterp.serve.job_wire import dumps_job, loads_job
-from asyncinterp.serve.rebuild import DescriptionRefused, checked, rebuild, trusted
+from asyncinterp.client.capture import FORMAT, Capture, describe
+from asyncinterp.serve.jobs.dryrun import dry_run
+from asyncinterp.serve.jobs.job_wire import dumps_job, loads_job
+from asyncinterp.serve.sandbox.rebuild import DescriptionRefused, checked, rebuild, trusted
 from asyncinterp.serve.sandbox import SandboxRefused
 
 SCALE = 0.5                       # a module-level constant the interventions read
@@ -222,7 +222,7 @@ def test_a_partial_with_keywords_travels(mlp):
 
 
 def test_a_server_rebuilds_in_the_sandbox_and_gets_the_local_result(mlp):
-    from asyncinterp.serve.rebuild_sandbox import Sandboxed
+    from asyncinterp.serve.sandbox.rebuild_sandbox import Sandboxed
     model = ai.wrap(mlp)
     x = torch.randn(2, 8)
     steer = torch.randn(16)
@@ -248,7 +248,7 @@ def test_a_server_rebuilds_in_the_sandbox_and_gets_the_local_result(mlp):
 
 
 def test_a_future_shared_between_invokes_works_in_the_sandbox(mlp):
-    from asyncinterp.serve.rebuild_sandbox import Sandboxed
+    from asyncinterp.serve.sandbox.rebuild_sandbox import Sandboxed
     model = ai.wrap(mlp)
     clean, corrupted = torch.randn(1, 8), torch.randn(1, 8)
     handoff = ai.Future()

@@ -2,7 +2,7 @@
 
 A notebook cell has no file on disk: IPython compiles it under a made-up file
 name and puts its lines in ``linecache``, which is where ``inspect.getsource``
-(and so :mod:`asyncinterp.serve.capture`) finds them. These tests define
+(and so :mod:`asyncinterp.client.capture`) finds them. These tests define
 functions that way, in a real IPython shell and by hand, with helpers and
 constants in *other* cells, and check that they travel and give the local
 result after the trip (``dry_run``); and that a function whose cell source is
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.serve.capture import describe
-from asyncinterp.serve.dryrun import dry_run
+from asyncinterp.client.capture import describe
+from asyncinterp.serve.jobs.dryrun import dry_run
 
 
 @pytest.fixture

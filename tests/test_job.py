@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import asyncinterp as ai
-from asyncinterp.serve.job_wire import dumps_job, loads_job
-from asyncinterp.serve.wire import WireError
+from asyncinterp.serve.jobs.job_wire import dumps_job, loads_job
+from asyncinterp.client.wire import WireError
 from conftest import hook_count
 
 

@@ -26,6 +26,37 @@ def test_at_most_ten_top_level_modules():
     assert len(modules) <= 10, modules
 
 
+def test_serving_floors_import_only_downward():
+    # issue 30: serve/ has floors (scale, http, openai, workers, jobs, sandbox, scheduling) above the client;
+    # a module imports its own floor and those below, and the core library imports none of them
+    code, text = _script("serve_floors.py")
+    assert code == 0 and "floors hold" in text, text
+
+
+def test_floor_check_catches_an_upward_import(tmp_path):
+    import shutil
+    root = tmp_path / "asyncinterp"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "serve" / "sandbox" / "planted.py").write_text("from ..http import app\n")
+    (root / "client" / "planted.py").write_text("from ..serve.scheduling import batcher\n")
+    (root / "hooks" / "planted.py").write_text("import asyncinterp.serve.jobs.errors\n")
+    code, text = _script("serve_floors.py", str(root))
+    assert code == 1, text
+    assert "asyncinterp.serve.sandbox.planted:1 imports asyncinterp.serve.http.app" in text, text
+    assert "asyncinterp.client.planted:1 imports asyncinterp.serve.scheduling.batcher" in text, text
+    assert "asyncinterp.hooks.planted:1 imports asyncinterp.serve.jobs.errors" in text, text
+
+
+def test_no_folder_has_more_than_twenty_modules():
+    # issue 30: a folder of src/ with more than 20 modules directly in it has no floors
+    crowded = {}
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        n = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+        if n > 20:
+            crowded[str(folder.relative_to(PACKAGE))] = n
+    assert not crowded, crowded
+
+
 def test_private_reaches_stay_few():
     # attributes with one leading underscore used on another object, plus __dict__ uses (issue 11's count:
     # 246 before the run interface); the unavoidable torch internals live in hooks/modules.py
@@ -103,7 +134,7 @@ def test_old_import_paths_of_moved_modules_still_work():
     import asyncinterp.cache
     import asyncinterp.scan
     assert callable(asyncinterp.cache) and callable(asyncinterp.scan) and not isinstance(asyncinterp.scan, type(importlib))
-    from asyncinterp.serve.supervisor import Job, Pool, WorkerFailure
+    from asyncinterp.serve.workers.supervisor import Job, Pool, WorkerFailure
     assert Trace is asyncinterp.Trace and Invoke is asyncinterp.Invoke and Job.__name__ == "Ticket"
 
 

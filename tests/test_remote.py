@@ -21,9 +21,9 @@ import asyncinterp as ai
 from asyncinterp.kernel.errors import ModulePathError
 from asyncinterp.models import tiny
 from asyncinterp.serve import Server, wire
-from asyncinterp.serve.job_wire import dumps_job
-from asyncinterp.serve.protocol import VersionMismatch, versions
-from asyncinterp.serve.wire import RemoteError
+from asyncinterp.serve.jobs.job_wire import dumps_job
+from asyncinterp.client.protocol import VersionMismatch, versions
+from asyncinterp.client.wire import RemoteError
 from remote_helpers import Live
 from serve_helpers import one_thread  # noqa: F401 - fixture found by name
 
@@ -656,7 +656,7 @@ def test_a_server_without_allow_code_takes_registered_interventions_only(local):
 def test_jobs_under_process_isolation(local):
     """The default of `asyncinterp serve --allow-code`: the model runs in supervised worker processes; a job is
     checked by the server, rebuilt and run whole in the code worker, and gives the local results."""
-    from asyncinterp.serve.supervisor import ProcessIsolation
+    from asyncinterp.serve.workers.supervisor import ProcessIsolation
     server = Server(tiny("gpt2"), allow_code=True, isolation=ProcessIsolation(), max_batch=8, code_budget=5.0)
     live = Live(server)
     try:

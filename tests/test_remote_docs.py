@@ -16,7 +16,7 @@ import torch
 import asyncinterp as ai
 
 from docsnippets import DOCS
-from asyncinterp.serve.wire import RemoteError
+from asyncinterp.client.wire import RemoteError
 from remote_mirror import Mirror, same
 from serve_helpers import one_thread  # noqa: F401 - fixture found by name
 

@@ -29,10 +29,10 @@ SCRIPT = pathlib.Path(__file__).resolve().parent / "remote_client_script.py"
 KEY = "install-key"
 
 #: the modules of asyncinterp.serve that the client is made of; any other is the server's
-CLIENT_MODULES = {"asyncinterp.serve", "asyncinterp.serve.remote", "asyncinterp.serve.client",
-                  "asyncinterp.serve.wire", "asyncinterp.serve.protocol", "asyncinterp.serve.job_form",
-                  "asyncinterp.serve.cache_wire", "asyncinterp.serve.capture", "asyncinterp.serve.policy",
-                  "asyncinterp.serve.remote_check"}
+CLIENT_MODULES = {"asyncinterp.serve", "asyncinterp.client.remote", "asyncinterp.client.clients",
+                  "asyncinterp.client.wire", "asyncinterp.client.protocol", "asyncinterp.client.job_form",
+                  "asyncinterp.client.cache_wire", "asyncinterp.client.capture", "asyncinterp.client.policy",
+                  "asyncinterp.client.remote_check"}
 #: what a client must not load (frameworks of the server, the model libraries, the cluster)
 SERVER_PACKAGES = ("starlette", "uvicorn", "pyseccomp", "prometheus_client", "transformers", "ray", "vllm")
 #: distributions a remote-only install must not hold
@@ -108,10 +108,10 @@ def test_the_remote_client_loads_no_server_module(served, expected):
     got = run_client(sys.executable, served, env, ROOT)
     assert got["asyncinterp"].startswith(str(ROOT / "src"))
     check_no_server_module(got["modules"])
-    assert "asyncinterp.serve.remote" in got["modules"]
+    assert "asyncinterp.client.remote" in got["modules"]
     check_answers(got, expected)
     # and in this process's own terms: importing the client alone
-    code = ("import sys, asyncinterp; asyncinterp.remote; asyncinterp.serve.Client; import asyncinterp.serve.wire;"
+    code = ("import sys, asyncinterp; asyncinterp.remote; asyncinterp.serve.Client; import asyncinterp.client.wire;"
             "print(sorted(sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     check_no_server_module(eval(out.stdout))   # noqa: S307 - our own subprocess's list of names

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from asyncinterp.serve import cli, errors, openai_compat
-from asyncinterp.serve.replica_loss import KIND, MESSAGE, Answers, ReplicaLossAnswers, proxy_middlewares
+from asyncinterp.serve.scale.replica_loss import KIND, MESSAGE, Answers, ReplicaLossAnswers, proxy_middlewares
 from docsnippets import DOCS
 
 
@@ -90,7 +90,7 @@ def anyio_backend():
 # --------------------------------------------------------------------------- options and the builder
 def _parse(argv):
     import argparse
-    from asyncinterp.serve.replicas import add_arguments
+    from asyncinterp.serve.scale.replicas import add_arguments
     p = argparse.ArgumentParser()
     cli.configure(p)
     add_arguments(p)
@@ -98,7 +98,7 @@ def _parse(argv):
 
 
 def test_replica_options_are_plain_values_with_keys_resolved(monkeypatch, tmp_path):
-    ray_app = pytest.importorskip("asyncinterp.serve.ray_app")
+    ray_app = pytest.importorskip("asyncinterp.serve.scale.ray_app")
     monkeypatch.setenv("ASYNCINTERP_API_KEYS", "from-env")
     extra = tmp_path / "more.py"
     args = _parse(["tiny-gpt2", "--api-key", "k1", "--replicas", "3", "--interventions", str(extra)])
@@ -111,7 +111,7 @@ def test_replica_options_are_plain_values_with_keys_resolved(monkeypatch, tmp_pa
 
 
 def test_the_builder_refuses_what_it_cannot_use():
-    ray_app = pytest.importorskip("asyncinterp.serve.ray_app")
+    ray_app = pytest.importorskip("asyncinterp.serve.scale.ray_app")
     with pytest.raises(ValueError, match="argv"):
         ray_app.build({"model": "tiny-gpt2"})
     with pytest.raises(ValueError, match="not valid"):
@@ -129,7 +129,7 @@ def test_the_docs_serve_config_is_valid_for_ray_serve():
     config = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", page, flags=re.S)[0])
     schema = ServeDeploySchema.model_validate(config)
     app = schema.applications[0]
-    assert app.import_path == "asyncinterp.serve.ray_app:build"
+    assert app.import_path == "asyncinterp.serve.scale.ray_app:build"
     assert app.deployments[0].name == "AsyncinterpServer"
     assert app.deployments[0].autoscaling_config["max_replicas"] == 8
     from asyncinterp.serve import ray_app
@@ -141,7 +141,7 @@ def test_the_docs_serve_config_is_valid_for_ray_serve():
                                             (["--replicas", "2", "--port", "0"], "--port 0"),
                                             (["--replicas", "2", "--tensor-parallel-size", "2"], "without --replicas")])
 def test_bad_replica_flags_fail_before_anything_starts(flags, message):
-    out = subprocess.run([sys.executable, "-m", "asyncinterp.serve.replicas", "tiny-gpt2", *flags],
+    out = subprocess.run([sys.executable, "-m", "asyncinterp.serve.scale.replicas", "tiny-gpt2", *flags],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
 

@@ -39,7 +39,8 @@ def test_prompts_have_equal_length(model):
 def test_concurrent_requests_share_one_forward_and_equal_solo_runs(model):
     async def main():
         async with Batcher(model, max_batch=len(SAME_LEN), max_wait_ms=5000, exact=True) as b:
-            res = await asyncio.gather(*[b.trace(p, last_logits) for p in SAME_LEN])
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                res = await asyncio.gather(*[b.trace(p, last_logits) for p in SAME_LEN])
             return res, dict(b.stats)
     res, stats = run(main())
     assert stats["batches"] == 1 and stats["max_batch_seen"] == len(SAME_LEN)
@@ -50,7 +51,8 @@ def test_concurrent_requests_share_one_forward_and_equal_solo_runs(model):
 def test_padded_batches_match_solo_runs_up_to_rounding(model):
     async def main():
         async with Batcher(model, max_batch=len(MIXED), max_wait_ms=5000) as b:
-            res = await asyncio.gather(*[b.trace(p, last_logits) for p in MIXED])
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                res = await asyncio.gather(*[b.trace(p, last_logits) for p in MIXED])
             return res, b.stats["batches"]
     res, batches = run(main())
     assert batches == 1
@@ -75,7 +77,8 @@ def test_other_requests_edits_and_errors_never_change_a_result(model):
     async def main(neighbour):
         async with Batcher(model, max_batch=2 * len(MIXED), max_wait_ms=5000) as b:
             tasks = [b.trace(p, last_logits if i % 2 == 0 else neighbour) for i, p in enumerate(MIXED * 2)]
-            return await asyncio.gather(*tasks, return_exceptions=True)
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                return await asyncio.gather(*tasks, return_exceptions=True)
 
     hostile, calm = run(main(vandal)), run(main(quiet))
     for i in range(0, len(hostile), 2):
@@ -92,7 +95,8 @@ def test_raising_interventions_fail_only_their_requests(model):
         async with Batcher(model, max_batch=8, max_wait_ms=50, exact=True) as b:
             calls = [b.trace(p, functools.partial(bad, i=i) if i % 5 == 0 else last_logits)
                      for i, p in enumerate(SAME_LEN * 5)]
-            return await asyncio.gather(*calls, return_exceptions=True)
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                return await asyncio.gather(*calls, return_exceptions=True)
     res = run(main())
     for i, (p, r) in enumerate(zip(SAME_LEN * 5, res)):
         if i % 5 == 0:
@@ -117,8 +121,9 @@ def test_timeout_ends_only_that_request_and_closes_its_intervention(model):
     async def main():
         async with Batcher(model, max_batch=8, max_wait_ms=50, exact=True) as b:
             t0 = time.monotonic()
-            res = await asyncio.gather(b.trace(SAME_LEN[0], slow, timeout=0.15),
-                                       *[b.trace(p, last_logits) for p in SAME_LEN[1:4]], return_exceptions=True)
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                res = await asyncio.gather(b.trace(SAME_LEN[0], slow, timeout=0.15),
+                                           *[b.trace(p, last_logits) for p in SAME_LEN[1:4]], return_exceptions=True)
             return res, time.monotonic() - t0
     res, elapsed = run(main())
     assert isinstance(res[0], TimeoutError)
@@ -149,7 +154,8 @@ def test_cancel_mid_forward_closes_that_intervention_only(model):
             while not running.is_set():
                 await asyncio.sleep(0.005)
             v.cancel()
-            res = await asyncio.gather(*others)
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                res = await asyncio.gather(*others)
             with pytest.raises(asyncio.CancelledError):
                 await v
             return res
@@ -206,7 +212,8 @@ def test_full_queue_and_closed_batcher(model):
             await b.trace(SAME_LEN[3], last_logits)
         gate.set()
         await first
-        await asyncio.gather(*queued)
+        with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+            await asyncio.gather(*queued)
         await b.aclose()
         with pytest.raises(BatcherClosed):
             await b.trace(SAME_LEN[0], last_logits)
@@ -240,9 +247,10 @@ def test_close_fails_queued_requests(model):
 def test_invalid_input_fails_alone(model):
     async def main():
         async with Batcher(model, max_batch=8, max_wait_ms=50) as b:
-            return await asyncio.gather(b.trace(SAME_LEN[0], last_logits), b.trace([10**9], last_logits),
-                                        b.trace(12345, last_logits), b.trace(SAME_LEN[1], last_logits),
-                                        return_exceptions=True)
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                return await asyncio.gather(b.trace(SAME_LEN[0], last_logits), b.trace([10**9], last_logits),
+                                            b.trace(12345, last_logits), b.trace(SAME_LEN[1], last_logits),
+                                            return_exceptions=True)
     res = run(main())
     assert isinstance(res[1], Exception) and isinstance(res[2], TypeError)
     assert torch.allclose(res[0], model.trace(SAME_LEN[0], last_logits), atol=1e-5)
@@ -269,7 +277,8 @@ def test_generation_requests_leave_the_batch_at_their_own_length(model):
 
     async def main():
         async with Batcher(model, max_batch=len(lengths), max_wait_ms=5000) as b:
-            res = await asyncio.gather(*[one(b, p, n) for p, n in zip(SAME_LEN, lengths)])
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                res = await asyncio.gather(*[one(b, p, n) for p, n in zip(SAME_LEN, lengths)])
             return res, b.stats["batches"]
     res, batches = run(main())
     assert batches == 1
@@ -296,8 +305,9 @@ def test_generation_ending_at_eos_matches_solo(model):
 
     async def main():
         async with Batcher(model, max_batch=8, max_wait_ms=100) as b:
-            return await asyncio.gather(*[b.generate(p, functools.partial(stop_at, k=k), max_new_tokens=8)
-                                          for p, k in zip(SAME_LEN, [1, 3, 10])])
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                return await asyncio.gather(*[b.generate(p, functools.partial(stop_at, k=k), max_new_tokens=8)
+                                              for p, k in zip(SAME_LEN, [1, 3, 10])])
     res = run(main())
     for p, k, g in zip(SAME_LEN, [1, 3, 10], res):
         solo = model.generate(p, functools.partial(stop_at, k=k), max_new_tokens=8)
@@ -320,7 +330,8 @@ def test_generation_ending_at_a_stop_string_matches_solo(model):
 
     async def main():
         async with Batcher(model, max_batch=len(prompts), max_wait_ms=5000) as b:
-            res = await asyncio.gather(*[b.generate(p, count, max_new_tokens=8, stop=stop) for p in prompts])
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                res = await asyncio.gather(*[b.generate(p, count, max_new_tokens=8, stop=stop) for p in prompts])
             return res, dict(b.stats)
     res, stats = run(main())
     assert stats["batches"] == 1 and stats["max_batch_seen"] == len(prompts)
@@ -398,8 +409,9 @@ def test_plain_wrapped_model_batches_by_trailing_shape():
 
     async def main():
         async with Batcher(wrapped, max_batch=4, max_wait_ms=500) as b:
-            res = await asyncio.gather(*[b.trace(x, mid) for x in xs],
-                                       b.trace(torch.randn(2, 8), mid), return_exceptions=True)
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                res = await asyncio.gather(*[b.trace(x, mid) for x in xs],
+                                           b.trace(torch.randn(2, 8), mid), return_exceptions=True)
             return res, b.stats["batches"]
     res, batches = run(main())
     assert batches == 2                                  # the [*, 8] input went to its own run
@@ -457,9 +469,10 @@ def test_stop_in_one_request_ends_only_that_request(model):
 
     async def main():
         async with Batcher(model, max_batch=8, max_wait_ms=50, exact=True) as b:
-            return await asyncio.gather(b.trace(SAME_LEN[0], stopper), b.trace(SAME_LEN[1], last_logits),
-                                        b.trace(SAME_LEN[2], stop_then_wait), b.trace(SAME_LEN[3], last_logits),
-                                        return_exceptions=True)
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                return await asyncio.gather(b.trace(SAME_LEN[0], stopper), b.trace(SAME_LEN[1], last_logits),
+                                            b.trace(SAME_LEN[2], stop_then_wait), b.trace(SAME_LEN[3], last_logits),
+                                            return_exceptions=True)
     res = run(main())
     assert torch.equal(res[0], model.trace(SAME_LEN[0], stopper))
     assert torch.equal(res[1], model.trace(SAME_LEN[1], last_logits))
@@ -479,8 +492,9 @@ def test_stop_during_generation_keeps_tokens_so_far(model):
 
     async def main():
         async with Batcher(model, max_batch=8, max_wait_ms=50) as b:
-            return await asyncio.gather(b.generate(SAME_LEN[0], stop_at_2, max_new_tokens=6),
-                                        b.generate(SAME_LEN[1], count_steps, max_new_tokens=6))
+            with b.arrivals.expect(b.max_batch):   # these requests are on their way together
+                return await asyncio.gather(b.generate(SAME_LEN[0], stop_at_2, max_new_tokens=6),
+                                            b.generate(SAME_LEN[1], count_steps, max_new_tokens=6))
     stopped, other = run(main())
     solo = model.generate(SAME_LEN[0], stop_at_2, max_new_tokens=6)
     assert stopped.result == solo.result == 2

@@ -105,7 +105,9 @@ def test_spinner_is_cut_at_its_budget_and_a_slow_batch_mate_succeeds(grouped, mo
                 timed(c.trace(SAME[1], LEGIT, timeout=1.2)),
                 *[timed(c.trace(p, "last", timeout=1.2)) for p in SAME[2:5]])
 
-    (spin, t_spin), (legit, t_legit), *innocent = asyncio.run(go())
+    with grouped.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+
+        (spin, t_spin), (legit, t_legit), *innocent = asyncio.run(go())
     stats = grouped.server.batcher.stats
     assert stats["batches"] - before["batches"] == 1 and stats["requests"] - before["requests"] == GROUP
     assert _is_budget_cut(spin, BUDGET)
@@ -130,7 +132,9 @@ def test_many_short_spins_in_a_generation_add_up_to_the_budget(grouped, model):
             good = [c.generate(p, max_new_tokens=n_new, timeout=2.0) for p in SAME[1:GROUP]]
             return await asyncio.gather(bad, *good, return_exceptions=True)
 
-    bad, *good = asyncio.run(go())
+    with grouped.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+
+        bad, *good = asyncio.run(go())
     assert _is_budget_cut(bad, BUDGET)
     assert any("while i < n" in line or "i += 1" in line for line in bad.remote_traceback), bad.remote_traceback
     for p, r in zip(SAME[1:GROUP], good):
@@ -147,7 +151,8 @@ def test_budget_counts_only_the_codes_own_time(grouped):
             mine = c.generate(SAME[0], STEP_SPIN, params={"n": 20000}, max_new_tokens=8)
             rest = [c.generate(p, max_new_tokens=8) for p in SAME[1:GROUP]]
             return await asyncio.gather(mine, *rest)
-    mine, *_ = asyncio.run(go())
+    with grouped.server.batcher.arrivals.expect(GROUP):   # the group's requests are on their way together
+        mine, *_ = asyncio.run(go())
     assert mine.result == 8
     _healthy(grouped)
 

@@ -6,7 +6,7 @@ import pytest
 
 from asyncinterp.models import tiny
 from asyncinterp.serve import Server
-from asyncinterp.serve.capabilities import PROBE
+from asyncinterp.serve.http.capabilities import PROBE
 from remote_helpers import Live
 
 KEY = "caps-key"

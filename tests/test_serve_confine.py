@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncinterp.serve import AsyncClient, Server, confine
-from asyncinterp.serve.supervisor import ProcessIsolation
+from asyncinterp.serve.workers.supervisor import ProcessIsolation
 from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
 from test_serve_http import Live
 

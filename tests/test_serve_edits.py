@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from asyncinterp.serve import Client, Server
-from asyncinterp.serve.app import Range
-from asyncinterp.serve.model_names import install_from_options, load_edit_function, parse_edit_option
-from asyncinterp.serve.receipts import weights_hash
+from asyncinterp.serve.http.app import Range
+from asyncinterp.serve.openai.model_names import install_from_options, load_edit_function, parse_edit_option
+from asyncinterp.serve.openai.receipts import weights_hash
 from test_serve_http import Live
 from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
 
@@ -241,7 +241,7 @@ def test_edit_options_parse_and_refuse_clearly(model, edits_file):
     width = model.config.n_embd
     install_from_options(server, [f"s=steer:module=transformer.h.0,vector={[0.5] * width},strength=2"])
     assert server.names.edits["s"].origin.startswith("steer:module=transformer.h.0")
-    from asyncinterp.serve.supervisor import ProcessIsolation
+    from asyncinterp.serve.workers.supervisor import ProcessIsolation
     isolated = Server(model, name=NAME, isolation=ProcessIsolation())   # edits run in its worker processes
     try:
         isolated.add_edit("up", load_edit_function(edits_file, "up"))
@@ -254,7 +254,7 @@ def test_lora_module_options_parse_as_vllms():
     """``--lora-modules a=PATH b=PATH`` (several after one flag, as vLLM's), repeated, and vLLM's JSON form."""
     import argparse
     from asyncinterp.serve import cli
-    from asyncinterp.serve.model_names import parse_lora_option
+    from asyncinterp.serve.openai.model_names import parse_lora_option
     p = argparse.ArgumentParser()
     cli.configure(p)
     args = p.parse_args(["dir", "--engine", "vllm", "--lora-modules", "a=/x", "b=/y=z",

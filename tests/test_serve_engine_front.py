@@ -1,4 +1,4 @@
-"""The server decides once per model what differs per engine kind (serve/engine_front.py), and the end-of-sequence
+"""The server decides once per model what differs per engine kind (serve/scheduling/engine_front.py), and the end-of-sequence
 ids come from one function (models.generating.eos_ids)."""
 
 import pytest
@@ -9,8 +9,8 @@ import asyncinterp as ai
 from asyncinterp.models import tiny
 from asyncinterp.models.generating import eos_ids
 from asyncinterp.serve import Server
-from asyncinterp.serve.engine_front import EngineFront, VLLMFront, front_for
-from asyncinterp.serve.supervisor import check_forkable
+from asyncinterp.serve.scheduling.engine_front import EngineFront, VLLMFront, front_for
+from asyncinterp.serve.workers.supervisor import check_forkable
 
 
 class _Tokenizer:

@@ -1,4 +1,4 @@
-"""One table from exception to HTTP status (serve/errors.py): every failure maps to the status the HTTP tests
+"""One table from exception to HTTP status (serve/jobs/errors.py): every failure maps to the status the HTTP tests
 expect, the worker reports what the server would answer, and no other serving module keeps a mapping."""
 
 import ast
@@ -7,10 +7,10 @@ import pathlib
 import pytest
 
 from asyncinterp.serve import errors, wire
-from asyncinterp.serve.batcher import BatcherClosed, BatcherFull
-from asyncinterp.serve.errors import RequestFailed
+from asyncinterp.serve.scheduling.batcher import BatcherClosed, BatcherFull
+from asyncinterp.serve.jobs.errors import RequestFailed
 from asyncinterp.serve.sandbox import SandboxTimeout
-from asyncinterp.serve.supervisor import (RemoteFailure, WorkerCrashed, WorkerFailure, WorkerHung, WorkerOutOfMemory,
+from asyncinterp.serve.workers.supervisor import (RemoteFailure, WorkerCrashed, WorkerFailure, WorkerHung, WorkerOutOfMemory,
                                           WorkerOverran, WorkerUnavailable)
 
 SERVE = pathlib.Path(__file__).resolve().parent.parent / "src" / "asyncinterp" / "serve"

@@ -96,7 +96,8 @@ def together(live, calls):
             return await asyncio.gather(*[c.trace(p, fn, params=params) for p, fn, params in calls],
                                         return_exceptions=True)
     before = live.server.batcher.stats["batches"]
-    out = asyncio.run(asyncio.wait_for(go(), 120))
+    with live.server.batcher.arrivals.expect(len(calls)):   # they are on their way together: one batch
+        out = asyncio.run(asyncio.wait_for(go(), 120))
     return out, live.server.batcher.stats["batches"] - before
 
 

@@ -25,7 +25,7 @@ import asyncinterp as ai
 from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, Client, RemoteError, Server
 from asyncinterp.serve import wire
-from asyncinterp.serve.app import Range
+from asyncinterp.serve.http.app import Range
 from remote_helpers import Live, free_port  # noqa: F401 - other modules import them from here too
 from serve_helpers import model, one_thread, stop_server, wait_healthy  # noqa: F401 - fixtures are found by name
 
@@ -422,7 +422,7 @@ def test_structured_log_records(live, client, caplog):
     recs = [r for r in caplog.records if getattr(r, "fields", None) and r.fields.get("event") == "trace"]
     assert recs[-2].fields["status"] == 200 and recs[-2].fields["intervention"] == "last"
     assert recs[-1].fields["status"] == 400 and recs[-1].fields["error_kind"] == "request"
-    from asyncinterp.serve.app import JsonFormatter
+    from asyncinterp.serve.http.app import JsonFormatter
     line = json.loads(JsonFormatter().format(recs[-2]))
     assert line["status"] == 200 and "ms" in line and "request_id" in line
 

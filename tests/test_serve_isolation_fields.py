@@ -23,9 +23,9 @@ import openai
 import pytest
 
 from asyncinterp.serve import Server
-from asyncinterp.serve.app import Range
-from asyncinterp.serve.model_names import install_from_options, load_edit_function
-from asyncinterp.serve.supervisor import ProcessIsolation
+from asyncinterp.serve.http.app import Range
+from asyncinterp.serve.openai.model_names import install_from_options, load_edit_function
+from asyncinterp.serve.workers.supervisor import ProcessIsolation
 from test_serve_http import Live
 from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
 

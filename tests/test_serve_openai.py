@@ -15,7 +15,7 @@ import torch
 import asyncinterp as ai
 from asyncinterp.models import tiny
 from asyncinterp.serve import Server
-from asyncinterp.serve.app import Range
+from asyncinterp.serve.http.app import Range
 from test_serve_http import Live
 from serve_helpers import one_thread, wait_healthy  # noqa: F401 - fixtures are found by name
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
@@ -245,7 +245,7 @@ def test_tensor_parameters_travel_as_json_lists(client, model):
     params = {"module": "transformer.h.0", "vector": vector.tolist(), "strength": 3.0, "k": 3}
     resp = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0,
                                      extra_body={"asyncinterp": {"intervention": "steer", "params": params}})
-    from asyncinterp.serve.builtins import steer
+    from asyncinterp.serve.scheduling.builtins import steer
     local = model.generate(PROMPTS[1], functools.partial(steer, module="transformer.h.0",
                                                          vector=torch.tensor(vector.tolist()), strength=3.0, k=3),
                            max_new_tokens=3)
@@ -432,7 +432,7 @@ def test_native_endpoints_still_answer_msgpack(live):
 
 # ----------------------------------------------------------------------------- shapes, without a server
 def _shaper(stop=(), max_tokens=8, extension=False):
-    from asyncinterp.serve.openai_compat import OpenAIRequest, Shaper
+    from asyncinterp.serve.openai.openai_compat import OpenAIRequest, Shaper
     return Shaper(OpenAIRequest("completions", NAME, prompt="x", stop=tuple(stop)), max_tokens, 1, {0},
                   extension)
 
@@ -447,7 +447,7 @@ def _sse_texts(raw: bytes):
 
 
 def test_stream_never_sends_a_stop_string_split_over_tokens():
-    from asyncinterp.serve.batcher import GenerateResult
+    from asyncinterp.serve.scheduling.batcher import GenerateResult
     sh = _shaper(stop=["o w"])
     pieces = ["Hel", "lo", " ", "wor", "ld"]
     sent = b"".join(sh.event({"event": "token", "step": i, "token": 10 + i, "text": t}) for i, t in enumerate(pieces))
@@ -468,7 +468,7 @@ def test_stream_never_sends_a_stop_string_split_over_tokens():
 
 
 def test_stream_after_a_restart_does_not_repeat_tokens():
-    from asyncinterp.serve.batcher import GenerateResult
+    from asyncinterp.serve.scheduling.batcher import GenerateResult
     sh = _shaper(max_tokens=3)
     out = sh.event({"event": "token", "step": 0, "token": 7, "text": "a"})
     out += sh.event({"event": "restart"})                         # the batch failed; rerun alone
@@ -484,8 +484,8 @@ def test_stream_after_a_restart_does_not_repeat_tokens():
 
 
 def test_results_as_json():
-    from asyncinterp.serve.openai_compat import to_json
-    from asyncinterp.serve.wire import WireError
+    from asyncinterp.serve.openai.openai_compat import to_json
+    from asyncinterp.client.wire import WireError
     value = {"t": torch.tensor([[1.5, float("nan")], [float("inf"), -float("inf")]]), "h": torch.ones(2).half(),
              "tuple": (1, "a", None, True), 3: [torch.tensor(2)]}
     assert to_json(value) == {"t": [[1.5, "NaN"], ["Infinity", "-Infinity"]], "h": [1.0, 1.0],

@@ -432,7 +432,7 @@ def test_vllm_engine_options_are_sampling_params(tiny_dir):
 
     from asyncinterp.models.vllm.requests import sampling_kwargs as _sampling_kwargs
     from asyncinterp.serve import openai_compat
-    from asyncinterp.serve.engine_front import VLLMFront
+    from asyncinterp.serve.scheduling.engine_front import VLLMFront
     body = {"model": "m", "prompt": "x", "max_tokens": 8, "temperature": 0.7, "seed": 3, "top_k": 5, "min_p": 0.1,
             "min_tokens": 2, "ignore_eos": True, "repetition_penalty": 1.2, "presence_penalty": 0.5,
             "frequency_penalty": -0.5, "logit_bias": {"7": 200}, "stop_token_ids": [9, 9, 11],

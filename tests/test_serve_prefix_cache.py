@@ -34,7 +34,7 @@ import torch
 
 import asyncinterp as ai
 from asyncinterp.serve import AsyncClient, Client, Server, wire
-from asyncinterp.serve.app import Range
+from asyncinterp.serve.http.app import Range
 from test_serve_http import Live
 from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name

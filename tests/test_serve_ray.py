@@ -37,7 +37,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from asyncinterp.serve import AsyncClient, Client, RemoteError, cli  # noqa: E402
-from asyncinterp.serve.replica_loss import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
+from asyncinterp.serve.scale.replica_loss import PROXY_CALLBACK, PROXY_CALLBACK_ENV  # noqa: E402
 from ray_helpers import stop_cluster, two_node_cluster  # noqa: E402
 from serve_helpers import SPIN, one_thread, stop_server  # noqa: E402,F401 - fixtures are found by name
 from test_remote import _patching, patching_sweep  # noqa: E402 - the remote tests' patching job and session
@@ -100,7 +100,7 @@ class Deployment:
         self.cluster, self.nodes = two_node_cluster()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "asyncinterp.serve.replicas", *serve_argv(self.interventions), "--replicas", "2",
+        cmd = [sys.executable, "-m", "asyncinterp.serve.scale.replicas", *serve_argv(self.interventions), "--replicas", "2",
                "--ray-address", self.cluster.address, "--port", str(self.port), "--max-replicas-per-node", "1"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         # the reference (built while the replicas start): one server in this process, from the same command line

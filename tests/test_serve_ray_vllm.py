@@ -49,7 +49,7 @@ def ask(url):
 def test_a_vllm_replica_answers_as_the_engine_does(tiny_dir):  # noqa: F811
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "asyncinterp.serve.replicas", tiny_dir, "--engine", "vllm", "--replicas", "1",
+    cmd = [sys.executable, "-m", "asyncinterp.serve.scale.replicas", tiny_dir, "--engine", "vllm", "--replicas", "1",
            "--port", str(port), "--served-model-name", "tiny", "--log-level", "warning",
            "--max-model-len", str(ENGINE["max_model_len"]), "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
            "--seed", str(ENGINE["seed"])]

@@ -321,7 +321,7 @@ def test_budget_is_not_consumed_by_waiting(model):
 
 
 def test_meter_credit_is_other_requests_time():
-    from asyncinterp.serve.batcher import Ledger, Meter
+    from asyncinterp.serve.scheduling.batcher import Ledger, Meter
     ledger = Ledger()
     a, b = Meter(), Meter()
     a.attach(ledger)

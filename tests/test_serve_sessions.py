@@ -106,7 +106,9 @@ def test_a_patching_sweep_as_one_session_equals_the_local_run_and_shares_batches
     async def go():
         async with AsyncClient(live.url, api_key=KEY, timeout=60) as c:
             return await asyncio.gather(c.session(sweep), c.session(sweep))
-    a, b = asyncio.run(asyncio.wait_for(go(), 120))
+    # both sessions are on their way for the whole sweep: each batch waits (max_wait_ms) for the other's trace
+    with live.server.batcher.arrivals.expect(2):
+        a, b = asyncio.run(asyncio.wait_for(go(), 120))
     assert torch.equal(a, local) and torch.equal(b, local)
     after = live.server.batcher.stats
     # 8 traces in 4 forward passes: each trace of one session shared its batch with the other session's
@@ -139,7 +141,7 @@ def test_a_session_cannot_outlive_its_time_limit(client):
 
 
 def _raw_session(port, fn):
-    from asyncinterp.serve.sessions import session_body
+    from asyncinterp.serve.jobs.sessions import session_body
     body = session_body(fn)
     head = (f"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
             f"Content-Type: application/msgpack\r\nContent-Length: {len(body)}\r\n\r\n").encode()
@@ -191,7 +193,7 @@ def test_a_cancelled_session_stops(live):
 def _post_session(live, source, modules):
     """A session request written by hand (as a hostile client would), bypassing the client's capture."""
     import httpx
-    from asyncinterp.serve.capture import FORMAT
+    from asyncinterp.client.capture import FORMAT
     description = {"format": FORMAT, "asyncinterp": "x", "python": "3.11", "tensors": [], "futures": [],
                    "functions": [{"name": "s", "source": source, "line": 1, "file": "hostile.py", "values": {},
                                   "functions": {}, "futures": {}, "modules": modules}]}
@@ -217,7 +219,7 @@ def test_session_code_is_checked_like_submitted_code(live):
 @pytest.fixture(scope="module")
 def isolated(model):
     """The CLI's default with --allow-code: process isolation; sessions run in the worker of submitted code."""
-    from asyncinterp.serve.supervisor import ProcessIsolation
+    from asyncinterp.serve.workers.supervisor import ProcessIsolation
     server = Server(model, api_keys=[KEY], allow_code=True, exact=True, max_wait_ms=5, timeout=20,
                     code_budget=0.5, isolation=ProcessIsolation(hang_timeout=2.0, memory_limit=512 << 20))
     server.batcher.start()

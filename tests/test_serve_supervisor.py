@@ -34,7 +34,7 @@ import torch
 
 from asyncinterp.models import tiny
 from asyncinterp.serve import AsyncClient, RemoteError
-from asyncinterp.serve.supervisor import ProcessIsolation, Supervisor, check_forkable
+from asyncinterp.serve.workers.supervisor import ProcessIsolation, Supervisor, check_forkable
 from test_serve_http import KEY, PROMPTS, Live, free_port, last, make_server
 from serve_helpers import SPIN, model, one_thread, stop_server, wait_healthy  # noqa: F401 - fixtures are found by name
 

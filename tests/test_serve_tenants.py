@@ -20,8 +20,8 @@ import torch
 
 import asyncinterp as ai
 from asyncinterp.serve import Client, RemoteError, Server, wire
-from asyncinterp.serve.job_wire import dumps_job
-from asyncinterp.serve.rebuild import MAX_FUNCTIONS
+from asyncinterp.serve.jobs.job_wire import dumps_job
+from asyncinterp.serve.sandbox.rebuild import MAX_FUNCTIONS
 from remote_helpers import Live
 from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
 
@@ -76,7 +76,7 @@ def post_job(live, body: dict, key=ATTACKER):
 
 
 def job_body(job_bytes: bytes) -> dict:
-    from asyncinterp.serve.protocol import versions
+    from asyncinterp.client.protocol import versions
     return {**versions(), "job": job_bytes}
 
 

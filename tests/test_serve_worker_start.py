@@ -17,7 +17,7 @@ import torch
 
 from asyncinterp.models import tiny
 from asyncinterp.serve import Client, Server
-from asyncinterp.serve.supervisor import ProcessIsolation
+from asyncinterp.serve.workers.supervisor import ProcessIsolation
 from remote_helpers import Live
 from serve_helpers import one_thread  # noqa: F401 - fixture found by name
 

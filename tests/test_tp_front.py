@@ -1,4 +1,4 @@
-"""The front of a tensor-parallel model on Ray nodes (``serve/tp_front.py``) while its ranks are not there.
+"""The front of a tensor-parallel model on Ray nodes (``serve/scale/tp_front.py``) while its ranks are not there.
 
 No Ray and no ranks: a :class:`RankState` set as the supervisor sets it. While
 the ranks are starting or lost, ``/v1/health`` is 503 with the reason, and
@@ -13,7 +13,7 @@ answers is a clear error at once.
 from starlette.testclient import TestClient
 
 from asyncinterp.serve import wire
-from asyncinterp.serve.tp_front import RankState, front_app
+from asyncinterp.serve.scale.tp_front import RankState, front_app
 
 NODES = [{"node_id": "a" * 56, "ip": "10.0.0.1"}, {"node_id": "b" * 56, "ip": "10.0.0.2"}]
 

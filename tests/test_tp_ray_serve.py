@@ -4,7 +4,7 @@ The module builds one local Ray cluster (a head node with no CPUs, two
 worker nodes with one CPU each) and starts the real command line as a
 subprocess joining it: the two ranks run as Ray actors on the two nodes
 (rank 0 serves the app on its node, rank 1 follows), and the command serves
-the front (``serve/tp_front.py``) that relays requests to rank 0. Served
+the front (``serve/scale/tp_front.py``) that relays requests to rank 0. Served
 answers, through the package's ``Client`` and through httpx on the
 OpenAI-compatible endpoint, are compared with the same intervention run on
 the unsharded model in this process.
@@ -35,7 +35,7 @@ import asyncinterp as ai  # noqa: E402
 from asyncinterp.distributed.launch import free_port  # noqa: E402
 from asyncinterp.distributed.ray_ranks import NAMESPACE  # noqa: E402
 from asyncinterp.serve import RemoteError, builtins  # noqa: E402
-from asyncinterp.serve.client import Client  # noqa: E402
+from asyncinterp.client.clients import Client  # noqa: E402
 from ray_helpers import add_worker_node, stop_cluster, two_node_cluster  # noqa: E402
 from serve_helpers import stop_server, wait_healthy  # noqa: E402
 from tp_checks import build_llama_dir  # noqa: E402

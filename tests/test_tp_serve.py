@@ -18,7 +18,7 @@ import torch
 import asyncinterp as ai
 from asyncinterp.distributed.launch import free_port
 from asyncinterp.serve import builtins
-from asyncinterp.serve.client import Client
+from asyncinterp.client.clients import Client
 from serve_helpers import stop_server, wait_healthy
 from tp_checks import build_llama_dir
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncinterp.serve import wire
-from asyncinterp.serve.wire import RemoteError, WireError
+from asyncinterp.client.wire import RemoteError, WireError
 
 
 @pytest.mark.parametrize("dtype", list(wire.DTYPES.values()))

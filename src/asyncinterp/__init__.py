@@ -68,9 +68,9 @@ def __getattr__(name):
     if name == "VLLM":  # needs vllm: imported on first use only
         from .models.vllm import VLLM
         return VLLM
-    if name == "remote":  # a served model with the local surface (needs the `serve` extra)
+    if name == "remote":  # a served model with the local surface (needs the `remote` extra only)
         import importlib
-        return importlib.import_module(".serve.remote", __name__).remote
+        return importlib.import_module(".client.remote", __name__).remote
     if name in ("models", "serve"):  # serve: needs the `serve` extra (msgpack, starlette, uvicorn, httpx)
         import importlib
         return importlib.import_module(f".{name}", __name__)

@@ -19,7 +19,7 @@ What serving needs (:mod:`asyncinterp.serve`):
 * :func:`to_thread` — await a blocking call run in a worker thread;
 * :func:`run_watched` — await ``fn()`` while a watcher runs beside it; the watcher returning first cancels it;
 * :func:`run_with_tasks` / :func:`cancel_scope` — a fresh event loop with a task group, and per-task
-  cancellation (the supervised worker process, :mod:`asyncinterp.serve.worker_proc`).
+  cancellation (the supervised worker process, :mod:`asyncinterp.serve.workers.worker_proc`).
 """
 
 from __future__ import annotations

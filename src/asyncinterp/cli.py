@@ -37,12 +37,9 @@ def _add_demo(subparsers) -> None:
 
 def _add_serve(subparsers) -> None:
     # `asyncinterp serve`: defined in asyncinterp.serve.cli (needs the `serve` extra only when run); with
-    # --replicas N the same server runs as N replicas on Ray Serve (asyncinterp.serve.replicas, the `ray` extra)
+    # --replicas N the same server runs as N replicas on Ray Serve (asyncinterp.serve.scale.replicas, the `ray` extra)
     from .serve.cli import add_parser
-    from .serve.replicas import add_arguments, run
-    p = add_parser(subparsers)
-    add_arguments(p)
-    p.set_defaults(func=run)
+    add_parser(subparsers)
 
 
 def _add_harvest(subparsers) -> None:

@@ -18,7 +18,7 @@ serving front coalesced. A job says *what* is asked:
 A job is built once, frozen, and never changed after it is submitted: it can
 be inspected, compared (``results`` and ``listener`` are where results go,
 not part of what is asked, so they take no part in equality) and turned into
-bytes and back by the wire (:func:`asyncinterp.serve.job_wire.dumps_job`). The
+bytes and back by the wire (:func:`asyncinterp.serve.jobs.job_wire.dumps_job`). The
 kernel's host while a forward runs (:class:`asyncinterp.run.Run`) is made
 from a job by the engine and lives only as long as that forward.
 

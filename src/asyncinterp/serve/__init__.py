@@ -18,27 +18,27 @@ in this package (:mod:`.remote`, :mod:`.client`, the job's writing side
 the app, the sandbox), nor need the server's dependencies.
 """
 
-from .wire import RemoteError, WireError
+from ..client.wire import RemoteError, WireError
 
 _BATCHER = ("Batcher", "BatcherClosed", "BatcherFull", "GenerateResult", "emit")
 
 
 def __getattr__(name):
     if name in _BATCHER:
-        from . import batcher
+        from .scheduling import batcher
         return getattr(batcher, name)
     # the HTTP parts need starlette/httpx (the `serve` extra): imported on first use
     if name in ("Param", "Range", "MaxLen", "ModulePath"):
-        from . import params
+        from .scheduling import params
         return getattr(params, name)
     if name in ("Server", "serve_app"):
-        from . import app
+        from .http import app
         return getattr(app, name)
     if name == "dry_run":
-        from .dryrun import dry_run
+        from .jobs.dryrun import dry_run
         return dry_run
     if name in ("Client", "AsyncClient"):
-        from . import client
+        from ..client import clients as client
         return getattr(client, name)
     raise AttributeError(f"module 'asyncinterp.serve' has no attribute {name!r}")
 

@@ -2,7 +2,7 @@
 
 A server started with ``allow_code=True`` accepts the source of an ``async
 def`` from clients. **What that code may do is stated in one file,**
-:mod:`asyncinterp.serve.policy` (modules, builtins, attribute names, tensor operations,
+:mod:`asyncinterp.client.policy` (modules, builtins, attribute names, tensor operations,
 limits); every other module here takes its decisions from it. Before any
 model work the source is
 
@@ -43,11 +43,11 @@ from .errors import SandboxRefused, SandboxTimeout
 from .instrumentation import instrument
 from .namespace import modules, safe_builtins
 from .operations import STATIC_DENIED_OPS
-from ..policy import (ALLOWED_ATTRIBUTES, ALLOWED_MODULES, MAX_AST_NODES, MAX_NESTING, MAX_RANGE, MAX_SOURCE_CHARS,
-                     MAX_TENSOR_BYTES)
-from ..policy import ASSIGNABLE_POINTS as POINT_NAMES
-from ..policy import REFUSED_ATTRIBUTES as DENIED_ATTRS
-from ..policy import REFUSED_BUILTINS as DENIED_NAMES
+from ...client.policy import (ALLOWED_ATTRIBUTES, ALLOWED_MODULES, MAX_AST_NODES, MAX_NESTING, MAX_RANGE,
+        MAX_SOURCE_CHARS, MAX_TENSOR_BYTES)
+from ...client.policy import ASSIGNABLE_POINTS as POINT_NAMES
+from ...client.policy import REFUSED_ATTRIBUTES as DENIED_ATTRS
+from ...client.policy import REFUSED_BUILTINS as DENIED_NAMES
 from .program import Program, ProgramCache
 from .tensors import PrivateTensor, private_copy, version_of
 from .values import Record, release, sanitize, scrub

@@ -1,7 +1,7 @@
 """The static check of submitted source: refused before any model work, naming the line.
 
 :func:`check_source` parses the source and refuses (:class:`SandboxRefused`,
-HTTP 400) what :mod:`asyncinterp.serve.policy` does not allow: imports outside its modules,
+HTTP 400) what :mod:`asyncinterp.client.policy` does not allow: imports outside its modules,
 private, refused or unlisted names, torch operations it leaves out, refused
 builtins and syntax, attribute assignments other than hook points, code at
 the top level, and sources over its size limits. Attribute names outside the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 
-from .. import policy
+from ...client import policy
 from .errors import SandboxRefused
 from .operations import STATIC_DENIED_OPS
 
@@ -61,7 +61,7 @@ class _Checker(ast.NodeVisitor):
             if alias.name not in policy.ALLOWED_ATTRIBUTES:
                 raise SandboxRefused(
                     f"{alias.name!r} cannot be imported from {node.module} in submitted code ({_where(node)}): it "
-                    "is not on the allow-list (asyncinterp/serve/policy.py)")
+                    "is not on the allow-list (asyncinterp/client/policy.py)")
             if alias.asname:
                 _check_name(alias.asname, node)
         self.generic_visit(node)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from ..batcher import Meter
-from .. import policy
+from ..scheduling.batcher import Meter
+from ...client import policy
 from .errors import SandboxTimeout
 
 

@@ -18,7 +18,7 @@ import torch
 from ...hooks.envoy import Envoy, point as point_descriptor
 from ...hooks.modules import submodules
 from ...hooks.points import Point
-from .. import policy
+from ...client import policy
 from .driver import Driven, Pending, current_state
 from .gradients import SafeGradPoint, backward_of
 from .tensors import plain

@@ -46,7 +46,7 @@ from ...hooks.grad import _first_grad_tensor
 from ...kernel.errors import NotInRunError, OutOfOrderError
 from ...kernel.scheduler import current_kernel, current_task
 from ...kernel.traps import CallTrap, trap
-from .. import policy
+from ...client import policy
 from .driver import Pending, current_state
 from .errors import SandboxRefused, SandboxTimeout, refuse, user_line
 from .tensors import DisableTorchFunction, PrivateTensor, adopt

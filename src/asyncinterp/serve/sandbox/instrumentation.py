@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 
-from .. import policy
+from ...client import policy
 from .checker import bound_names
 
 TICK = "__ai_tick__"

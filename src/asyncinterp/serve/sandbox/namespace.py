@@ -1,7 +1,7 @@
 """What submitted code's globals hold: restricted builtins, the proxy modules its imports get, and hooks.
 
 The import hook hands out :class:`ModuleProxy` objects holding only the
-names :mod:`asyncinterp.serve.policy` lists for each allowed module (torch functions wrapped
+names :mod:`asyncinterp.client.policy` lists for each allowed module (torch functions wrapped
 so that their results are private tensors and factories are measured before
 they allocate); the builtins are the policy's list, with ``range``, ``print``,
 ``repr`` and ``ascii`` replaced by restricted versions. The instrumented
@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from .. import policy
+from ...client import policy
 from .envoys import SafeEnvoy, SafePoint, gather, spawn
 from .errors import refuse
 from .tensors import DisableTorchFunction, PrivateTensor, adopt, check_size, nbytes, precheck, tensors_in
@@ -62,7 +62,7 @@ def read_unlisted(obj, name):
     """
     if type(obj) is SafeEnvoy or type(obj) is SafePoint:
         return getattr(obj, name)
-    why = "it is not on the sandbox's allow-list (asyncinterp/serve/policy.py)"
+    why = "it is not on the sandbox's allow-list (asyncinterp/client/policy.py)"
     if type(obj) is ModuleProxy:
         raise refuse(f"{object.__getattribute__(obj, '_name')}.{name}", why)
     raise refuse(f"attribute {name!r} of a {type(obj).__name__}",
@@ -158,7 +158,7 @@ def _build_modules():
     math_proxy = ModuleProxy("math", {n: getattr(math, n) for n in sorted(policy.MATH_NAMES) if hasattr(math, n)})
 
     import asyncinterp as ai
-    from ..batcher import emit
+    from ..scheduling.batcher import emit
 
     ai_attrs = {"gather": gather, "spawn": spawn, "Future": ai.Future, "emit": lambda value: emit(release(value))}
     for name in sorted(policy.ASYNCINTERP_ERRORS):

@@ -2,7 +2,7 @@
 
 :class:`~.tensors.PrivateTensor` is handed torch's function objects (a
 method, an operator, a property getter), not names: this maps each allowed
-one back to its name in :mod:`asyncinterp.serve.policy`. It also names the torch operations
+one back to its name in :mod:`asyncinterp.client.policy`. It also names the torch operations
 the policy leaves out, so that the checker refuses those already at
 submission (``x.storage()``, ``torch.sparse_coo_tensor``) rather than when
 they run.
@@ -15,7 +15,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .. import policy
+from ...client import policy
 
 
 def _allowed_objects() -> dict:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from .. import policy
+from ...client import policy
 from .checker import check_source
 from .clock import Clock
 from .driver import Driven
@@ -80,7 +80,7 @@ class Program:
         """A fresh intervention for one request: ``(fn, clock)``; runs the module body (defs and imports only).
 
         ``deadline``: wall-clock limit (``time.monotonic()``); ``budget``: CPU seconds the code may run in
-        all (see :class:`~.clock.Clock`). The clock is the request's :class:`~asyncinterp.serve.batcher.Meter`:
+        all (see :class:`~.clock.Clock`). The clock is the request's :class:`~asyncinterp.serve.scheduling.batcher.Meter`:
         pass it to the batcher (``meter=clock``) so that its time is accounted to it and credited to the
         other requests' deadlines.
         """

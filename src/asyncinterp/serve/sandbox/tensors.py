@@ -3,7 +3,7 @@
 A :class:`PrivateTensor` is a copy of the request's own data whose
 ``__torch_function__`` lets through only the operations the policy lists,
 checks index bounds, and measures every result on meta tensors against
-:data:`~asyncinterp.serve.policy.MAX_TENSOR_BYTES` before it is made. This module also turns
+:data:`~asyncinterp.client.policy.MAX_TENSOR_BYTES` before it is made. This module also turns
 server tensors into private copies and back.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import policy
+from ...client import policy
 from .errors import SandboxRefused, refuse, user_line
 from .operations import ALLOWED_OPS
 

@@ -16,7 +16,7 @@ import torch
 
 from ...kernel.errors import ReplacementError  # a ValueError, as a local run raises
 
-from .. import policy
+from ...client import policy
 from .tensors import DisableTorchFunction, plain, private_copy, version_of
 
 
@@ -67,7 +67,7 @@ def sanitize(value, depth=0, leaves=None, path=(), graph=False, memo=None):
 
 def scrub(text: str) -> str:
     """Hide memory addresses (``0x7f...``) in text that leaves the server."""
-    from ..wire import scrub_addresses
+    from ...client.wire import scrub_addresses
     return scrub_addresses(text)
 
 

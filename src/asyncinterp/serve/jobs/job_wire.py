@@ -1,0 +1,125 @@
+"""A job as bytes and back: what the wire carries when a whole job travels.
+
+A :class:`~asyncinterp.job.Job` is a plain value; :mod:`.job_form` writes it as
+msgpack (through :mod:`.wire`, so tensors are ``(dtype, shape, bytes)`` and
+nothing is pickled) and reads it back. Interventions travel as source text,
+never bytecode, so client and server Python versions may differ: all of a
+job's interventions are captured together (:mod:`.capture`: their source,
+the values, helpers, modules and futures they read; what two invokes share
+is shared after the trip). Reading a job back never executes anything by
+itself: the caller passes ``compile_source`` (see :mod:`.rebuild`: on a
+server, the sandbox's), through which every captured source is compiled.
+``named(spec)`` binds an intervention registered on the server
+(:class:`Named`, ``{"name", "params"}``). The older ``compile(spec)`` (one self-contained intervention's
+``{"source", "entry", "params"}`` to a callable) still works when no
+``compile_source`` is given; it refuses what a closure or global needs.
+
+What travels: every invoke's input, keyword arguments, per-invoke options,
+``background`` flag and interventions; the job's kind, ``on_error``,
+``stop_per_invoke``, generation options and context. What does not: the
+result carriers and the listener (where results go is decided on the side
+that runs the job) and an invoke's late-binding snapshot (a check made on
+the side that built it). A value that cannot travel is a ``TypeError``
+naming where it sits in the job.
+
+This module reads a job (the server's side, with :mod:`.rebuild`);
+writing it is :mod:`.job_form`'s (the client's side, which loads no server
+module), whose names are importable from here too.
+"""
+
+from __future__ import annotations
+
+from ...invoke import Invoke
+from ...job import InvokeSpec, Job, frozen_mapping
+from ...client import wire
+from ...client.cache_wire import build_cache
+# the writing side is the client's (it loads no server code); its names stay importable from here
+from ...client.job_form import JOB_FORMAT, Named, dumps_job  # noqa: F401
+from ..sandbox.rebuild import DescriptionRefused, intervention, rebuild
+
+__all__ = ["JOB_FORMAT", "Named", "dumps_job", "loads_job"]
+
+
+def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
+              compile_source=None, named=None) -> Job:
+    """The job that :func:`dumps_job` wrote, its interventions rebuilt with ``compile_source`` (see :mod:`.rebuild`).
+
+    Without ``compile_source``, ``compile(spec)`` turns each intervention's self-contained form
+    (``{"source", "entry", "params"}``) into a callable, as before captures. Each invoke gets a fresh
+    result carrier (:class:`~asyncinterp.invoke.Invoke`).
+    """
+    body = wire.unpackb(data, limits)
+    if not isinstance(body, dict) or body.get("format") != JOB_FORMAT:
+        found = body.get("format") if isinstance(body, dict) else type(body).__name__
+        raise wire.WireError(f"not a job of wire format {JOB_FORMAT} (found {found!r})")
+    if compile_source is not None:
+        description = body.get("capture")
+        built = rebuild(description, compile_source)
+
+        entry = getattr(compile_source, "entry", None)   # e.g. the sandbox's restricted view of the model
+
+        def compile(spec):   # noqa: A001 - the same role as the argument it stands for
+            fn = intervention(built, spec, description)
+            return fn if entry is None else entry(fn)
+    elif compile is None:
+        raise TypeError("loads_job needs compile_source (see asyncinterp.serve.sandbox.rebuild) or compile")
+    else:
+        compile = _self_contained(compile)
+    if named is not None:
+        compile = _or_named(compile, named)
+    compile = _or_cache(compile)
+    specs = []
+    for i, item in enumerate(_list(body, "invokes")):
+        if not isinstance(item, dict):
+            raise wire.WireError(f"invoke {i} of the job is not a map")
+        fns = tuple(compile(fn) for fn in _list(item, "fns"))
+        specs.append(InvokeSpec(item.get("input"), fns, frozen_mapping(_map(item, "kwargs")),
+                                frozen_mapping(_map(item, "options")), (), bool(item.get("background"))))
+    carriers = tuple(Invoke(i, spec) for i, spec in enumerate(specs))
+    try:
+        return Job(tuple(specs), body.get("kind", "trace"), body.get("on_error", "stop"),
+                   bool(body.get("stop_per_invoke")), frozen_mapping(_map(body, "generation")),
+                   frozen_mapping(_map(body, "context")), carriers)
+    except ValueError as exc:
+        raise wire.WireError(str(exc)) from None
+
+
+def _or_cache(compile):
+    """An activation cache (``{"cache": options}``) is built here, as trusted code (see :mod:`.cache_wire`)."""
+    def compile_or_cache(spec):
+        if isinstance(spec, dict) and "cache" in spec and "function" not in spec:
+            return build_cache(spec["cache"])
+        return compile(spec)
+    return compile_or_cache
+
+
+def _or_named(compile, named):
+    """``named(spec)`` for a registered intervention (``{"name", "params"}``), ``compile(spec)`` for the rest."""
+    def compile_or_bind(spec):
+        if isinstance(spec, dict) and "name" in spec and "function" not in spec:
+            return named(spec)
+        return compile(spec)
+    return compile_or_bind
+
+
+def _self_contained(compile):
+    def compile_plain(spec):
+        if not isinstance(spec, dict) or "source" not in spec:
+            raise DescriptionRefused("this job's interventions read closure variables or globals: read it with "
+                                     "loads_job(data, compile_source=...) (see asyncinterp.serve.sandbox.rebuild)")
+        return compile(spec)
+    return compile_plain
+
+
+def _list(obj, key) -> list:
+    value = obj.get(key) or []
+    if not isinstance(value, (list, tuple)):
+        raise wire.WireError(f"{key!r} of a job must be a list")
+    return list(value)
+
+
+def _map(obj, key) -> dict:
+    value = obj.get(key) or {}
+    if not isinstance(value, dict):
+        raise wire.WireError(f"{key!r} of a job must be a map")
+    return value

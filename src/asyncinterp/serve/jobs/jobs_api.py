@@ -1,0 +1,377 @@
+"""``POST /v1/jobs``: a whole job (N invokes, their captured interventions) as one request.
+
+What ``ai.remote`` (:mod:`.remote`) sends. The body is a msgpack map:
+
+* ``protocol``, ``asyncinterp``, ``python``: the client's versions (:mod:`.protocol`; an incompatible pair
+  is a 400 ``VersionMismatch`` naming both);
+* ``job``: the bytes of :func:`~.job_wire.dumps_job` (invokes, options, the capture);
+* ``timeout``: seconds (at most the server's), for the whole job;
+* ``stream``: answer as a stream of msgpack maps: ``token`` and ``emit`` events of every invoke as they
+  are produced (tagged ``"invoke": i``), then ``done`` (or ``error``).
+
+Every captured function is rebuilt through the sandbox (:class:`~.rebuild_sandbox.Sandboxed`: the
+static check, instrumentation, private copies of captured values, the restricted model view); a server
+without ``--allow-code`` accepts only interventions registered on it, by name. The job's invokes run as
+one atomic group in the batcher (:mod:`.groups`): the same forward, never split across batches,
+sharing futures as locally; other requests may share the forward. Limits count the whole job: the
+body size (413), ``max_batch`` invokes (413), one time limit and one compute budget (504), the prompt
+and generation lengths of every invoke (400).
+
+The answer: ``{"ok": true, "results": [...]}``, one entry per invoke, in order:
+``{"ok": true, "value"}`` (generation: plus ``tokens``, ``text``, ``emitted``) or
+``{"ok": false, "error"}`` (the error map of :mod:`.errors`, with its ``kind``).
+A session (an ``async def`` taking the model) can become another job kind here: the envelope and the
+version check stay, the batcher runs its traces.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import time
+
+import torch
+
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from ... import aio
+from . import errors
+from ...client import wire
+from ...client.cache_wire import recorded_of
+from .errors import RequestFailed
+from ..scheduling.params import short_repr
+from .job_wire import loads_job
+from ...client.protocol import incompatible, versions
+from ..scheduling.requests import Meter
+from ..sandbox.rebuild import DescriptionRefused, DescriptionTooLarge
+from ..sandbox.rebuild_sandbox import Sandboxed
+from ..sandbox import SandboxRefused
+from ..sandbox.gradients import check_no_grad_refusal
+
+__all__ = ["routes"]
+
+_FIELDS = frozenset({"protocol", "asyncinterp", "python", "job", "timeout", "stream"})
+_GENERATION_OPTIONS = ("stop", "do_sample", "temperature", "top_k", "top_p", "seed")
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+_FORWARD_KWARGS = frozenset({"logits_to_keep"})   # forward keyword arguments a job may give (ints)
+MSGPACK = "application/msgpack"
+MSGPACK_STREAM = "application/x-msgpack-stream"
+
+
+def routes(server) -> list:
+    """The routes this module adds to ``server``'s app."""
+    return [Route("/v1/jobs", functools.partial(_jobs, server), methods=["POST"])]
+
+
+def model_versions() -> dict:
+    """What ``GET /v1/model`` adds: the server's protocol, asyncinterp and Python versions."""
+    return versions()
+
+
+async def _jobs(server, request):
+    async def work(fields):
+        obj = server.decode_body(await server.read_body(request))
+        server.check_fields(obj, _FIELDS)
+        _check_versions(obj)
+        data = obj.get("job")
+        if not isinstance(data, bytes):
+            raise RequestFailed("request", "'job' must be the bytes of asyncinterp.serve.jobs.job_wire.dumps_job")
+        stream = obj.get("stream", False)
+        if type(stream) is not bool:
+            raise RequestFailed("request", "stream must be a bool")
+        timeout = server.request_timeout(obj)
+        # a supervised server only checks the job here (its worker rebuilds it, private copies included)
+        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
+                            copies=not server.supervised) if server.allow_code else None
+        # checked and rebuilt in a thread: the event loop (health checks, other requests) stays free meanwhile
+        job = await aio.to_thread(_load, server, data, sandbox, timeout)
+        invokes, options = _checked(server, job)
+        fields.update(kind=job.kind, invokes=len(invokes), intervention="job")
+        if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
+            code = _has_code(job)
+            if stream:
+                try:
+                    events = server.batcher.stream_job(data, code=code, timeout=timeout)
+                except Exception as exc:  # noqa: BLE001
+                    raise errors.failure(exc) from None
+                fields["stream"] = True
+                return StreamingResponse(server.stream_events(events, _worker_event), media_type=MSGPACK_STREAM)
+            call = functools.partial(server.batcher.job, data, code=code, timeout=timeout)
+            return await server.respond(request, fields, call, lambda results: {"ok": True, "results": results})
+        meter = on_cancel = None
+        if sandbox is not None:
+            meter = sandbox.clock
+
+            def on_cancel():
+                sandbox.clock.cancelled = True
+        kwargs = dict(timeout=timeout, on_cancel=on_cancel, meter=meter, on_error=job.on_error, **options)
+        if stream:
+            try:
+                events = server.batcher.stream_group(job.kind, invokes, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - BatcherFull and friends: the error table answers
+                raise errors.failure(exc) from None
+            fields["stream"] = True
+            encode = functools.partial(_event, job.kind)
+            return StreamingResponse(server.stream_events(events, encode), media_type=MSGPACK_STREAM)
+        call = functools.partial(server.batcher.group, job.kind, invokes, **kwargs)
+        return await server.respond(request, fields, call, lambda outcomes: _answer(job.kind, outcomes))
+    return await server.guarded(request, "job", work)
+
+
+def _has_code(job) -> bool:
+    """Whether the job has interventions of submitted code (captured functions), not only registered ones."""
+    return any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
+
+
+def _worker_event(ev) -> bytes:
+    if ev["event"] == "done":
+        return wire.packb({"event": "done", "ok": True, "results": ev["result"]})
+    return wire.packb(ev)
+
+
+async def run_in_worker(worker, jid, msg, timeout) -> dict:
+    """In a worker process (:mod:`.worker_proc`): rebuild the job as the server did, run it on the worker's
+    batcher as one group, reply with the answer's results (events of a streaming job as they come)."""
+    server = worker.server
+    sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
+        if server.allow_code else None
+    job = _load(server, msg["job"], sandbox, timeout)
+    invokes, options = _checked(server, job)
+    meter = sandbox.clock if sandbox is not None else Meter()
+    worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
+    on_cancel = None
+    if sandbox is not None:
+        def on_cancel():
+            sandbox.clock.cancelled = True
+    kwargs = dict(timeout=timeout, on_cancel=on_cancel, meter=meter, on_error=job.on_error, **options)
+    try:
+        if msg.get("stream"):
+            events = worker.batcher.stream_group(job.kind, invokes, **kwargs)
+            try:
+                async for ev in events:
+                    if ev["event"] == "done":
+                        outcomes = ev["result"]
+                        break
+                    worker.send_event(jid, ev)
+            finally:
+                await events.aclose()
+        else:
+            outcomes = await worker.batcher.group(job.kind, invokes, **kwargs)
+    finally:
+        worker.tags.pop(meter, None)
+    return {"t": "done", "id": jid, "ok": True, "value": _outcomes(job.kind, outcomes)}
+
+
+def _check_versions(obj) -> None:
+    client = {k: obj.get(k) for k in ("protocol", "asyncinterp", "python")}
+    why = incompatible(client, versions())
+    if why:
+        fail = RequestFailed("request", why)
+        fail.error["type"] = "VersionMismatch"
+        raise fail
+
+
+def _load(server, data, sandbox, timeout):
+    """The job with every intervention rebuilt (sandboxed) or bound (registered by name)."""
+    def refuse_code(source, filename, namespace):
+        raise RequestFailed("refused", "this server does not accept submitted code (start it with --allow-code); "
+                                       "use interventions registered on it (GET /v1/model), by name")
+
+    def named(spec):
+        fn = server.bind_intervention({"name": spec.get("name"), "params": spec.get("params")}, timeout)[0]
+        return fn
+
+    try:
+        job = loads_job(data, limits=server.limits, compile_source=sandbox or refuse_code, named=named)
+        if sandbox is not None and sandbox.clock.grad:
+            check_no_grad_refusal(types.SimpleNamespace(needs_grad=True), server.front.kind)
+        return job
+    except RequestFailed:
+        raise
+    except SandboxRefused as exc:
+        raise RequestFailed("refused", str(exc)) from None
+    except DescriptionTooLarge as exc:
+        raise RequestFailed("too_large", str(exc)) from None
+    except (DescriptionRefused, wire.WireError, TypeError, ValueError, KeyError) as exc:
+        raise RequestFailed("request", f"this job cannot be read: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - anything else while defining the captured functions
+        raise RequestFailed("refused", f"captured code failed to load: {type(exc).__name__}: {exc}") from None
+
+
+def _checked(server, job):
+    """``(invokes, options)`` for the batcher: every invoke's input checked, the job's options refused or kept."""
+    n = len(job.invokes)
+    max_batch = server.batcher.max_batch
+    if n == 0:
+        raise RequestFailed("request", "this job has no invokes")
+    if n > max_batch:
+        raise RequestFailed("too_large", f"this job has {n} invokes; this server runs at most max_batch="
+                                         f"{max_batch} in one forward: split it into several jobs")
+    if job.kind == "generate" and not server.is_lm:
+        raise RequestFailed("request", "this model does not generate (it is not a LanguageModel)")
+    if job.context:
+        raise RequestFailed("request", "a job's context does not travel to a server")
+    invokes, longest = [], 0
+    for i, spec in enumerate(job.invokes):
+        if spec.background:
+            raise RequestFailed("request", f"invoke {i}: persistent edits (model.edit) do not run remotely")
+        if spec.options:
+            raise RequestFailed("request", f"invoke {i}: per-invoke engine options are not accepted remotely")
+        kwargs = dict(spec.kwargs)
+        if set(kwargs) - _FORWARD_KWARGS or any(type(v) is not int or v < 0 for v in kwargs.values()):
+            raise RequestFailed("request", f"invoke {i}: keyword arguments for the model's forward: only "
+                                           f"{', '.join(sorted(_FORWARD_KWARGS))} (an int >= 0) remotely, got "
+                                           f"{short_repr(sorted(map(str, kwargs)), 200)}")
+        if job.kind == "generate" and kwargs:
+            raise RequestFailed("request", f"invoke {i}: a generation takes no forward keyword arguments")
+        if kwargs != dict(job.invokes[0].kwargs):
+            raise RequestFailed("request", "the invokes of one job must agree on the model's keyword arguments "
+                                           "(they run in one forward)")
+        if spec.input is None:
+            x = None
+        else:
+            try:
+                x, length = _input(server, spec.input)
+            except RequestFailed as fail:
+                fail.error["message"] = f"invoke {i}: {fail.error['message']}"
+                raise
+            longest = max(longest, length)
+        invokes.append((x, spec.fns, kwargs))
+    if all(x is None for x, _, _ in invokes):
+        raise RequestFailed("request", "every invoke of this job has no input: give at least one an input")
+    rows = sum(_rows(x) for x, _, _ in invokes if x is not None)
+    if rows > max_batch:
+        raise RequestFailed("too_large", f"this job's inputs have {rows} rows; this server runs at most "
+                                         f"max_batch={max_batch} in one forward: split it into several jobs")
+    options = {}
+    if job.kind == "generate":
+        gen = dict(job.generation)
+        max_new = gen.pop("max_new_tokens", 20)
+        server.check_new_tokens(longest, max_new)
+        for key, value in gen.items():
+            _check_generation_option(key, value, gen)
+        options = dict(gen, max_new_tokens=max_new)
+    return invokes, options
+
+
+def _check_generation_option(key, value, gen) -> None:
+    """A 400 naming the option for a value a generation cannot take (as vLLM's own checks refuse them)."""
+    def bad(why):
+        return RequestFailed("request", f"generation option {key}: {why}, got {short_repr(value)}", param=key)
+
+    number = type(value) in (int, float)
+    if key not in _GENERATION_OPTIONS:
+        raise RequestFailed("request", f"generation option {short_repr(key)} is not accepted remotely; accepted: "
+                                       f"max_new_tokens, {', '.join(_GENERATION_OPTIONS)}", param=str(key)[:60])
+    if key == "do_sample" and type(value) is not bool:
+        raise bad("must be true or false")
+    if key == "temperature":
+        if not number or not math.isfinite(value) or value < 0:
+            raise bad("must be a finite number >= 0")
+        if value == 0 and gen.get("do_sample") is True:
+            raise bad("must be > 0 to sample (for greedy decoding leave do_sample false)")
+    if key == "top_p" and (not number or not math.isfinite(value) or not 0 < value <= 1):
+        raise bad("must be a number in (0, 1]")
+    if key == "top_k" and (type(value) is not int or value < 0):
+        raise bad("must be an int >= 0 (0: off)")
+    if key == "seed" and (type(value) is not int or not -(2 ** 63) <= value < 2 ** 63):
+        raise bad("must be a 64-bit int")
+    if key == "stop":
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise bad(f"must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                      f"{MAX_STOP_CHARS} characters")
+
+
+def _input(server, value):
+    """An invoke's checked input and its longest row in tokens: what ``/v1/trace`` takes, and for language
+    models also what a local invoke takes (docs/language-models.md): a list of prompts, lists of token ids,
+    an integer tensor of ids (1-D or 2-D), a tokenizer output (``input_ids`` and ``attention_mask``)."""
+    if not server.is_lm or isinstance(value, str):
+        return server.check_input(value)
+    if isinstance(value, dict):
+        extra = set(value) - {"input_ids", "attention_mask"}
+        if extra or "input_ids" not in value:
+            raise RequestFailed("request", "input: a tokenizer output has input_ids and optionally attention_mask, "
+                                           f"got {sorted(map(str, value))}")
+        ids, length = _input(server, value["input_ids"])
+        mask = value.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor) or mask.shape != ids.shape \
+                    or not bool(((mask == 0) | (mask == 1)).all()):
+                raise RequestFailed("request", "input: attention_mask must be a 0/1 tensor shaped like input_ids")
+        return {**value, "input_ids": ids}, length
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.int64, torch.int32) or value.dim() not in (1, 2) or value.numel() == 0:
+            raise RequestFailed("request", "input: a tensor of token ids is a non-empty 1-D or 2-D integer tensor")
+        if value.dim() == 2 and value.shape[0] > server.batcher.max_batch:
+            raise RequestFailed("too_large", f"input: {value.shape[0]} rows exceed max_batch="
+                                             f"{server.batcher.max_batch}: split them into several invokes or jobs")
+        rows = value.view(-1, value.shape[-1]).tolist()
+        for row in rows:
+            server.check_input(row)
+        return value, value.shape[-1]
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > server.batcher.max_batch:
+            raise RequestFailed("too_large", f"input: {len(value)} rows exceed max_batch={server.batcher.max_batch}")
+        checked = [server.check_input(v) for v in value]
+        return [x for x, _ in checked], max(n for _, n in checked)
+    return server.check_input(value)
+
+
+def _rows(x) -> int:
+    """The rows a checked input adds to the forward: a prompt or a 1-D tensor of ids is one."""
+    if isinstance(x, dict):
+        x = x["input_ids"]
+    if isinstance(x, torch.Tensor):
+        return x.shape[0] if x.dim() > 1 else 1
+    if isinstance(x, tuple):      # a plain model's positional tensors: their batch dimension
+        return max((_rows(v) for v in x), default=1)
+    if isinstance(x, list) and x and not all(type(t) is int for t in x):
+        return len(x)              # a list of prompts (strings or id lists)
+    return 1
+
+
+def _outcome(kind, ok, value) -> dict:
+    if not ok:
+        fail = errors.failure(value)
+        return {"ok": False, "status": fail.status, "error": fail.error}
+    if kind == "generate":
+        return {"ok": True, "value": recorded_of(value.result), "tokens": value.tokens, "text": value.text,
+                "emitted": [{"step": e["step"], "value": e["value"]} for e in value.emitted]}
+    return {"ok": True, "value": recorded_of(value)}
+
+
+def _outcomes(kind, outcomes) -> list:
+    """Each invoke's entry; one whose result cannot be encoded gets its own error (the others keep theirs)."""
+    out = []
+    for ok, value in outcomes:
+        entry = _outcome(kind, ok, value)
+        try:
+            wire.packb(entry)
+        except wire.WireError as exc:
+            entry = _outcome(kind, False, exc)
+        out.append(entry)
+    return out
+
+
+def _answer(kind, outcomes) -> Response:
+    body = {"ok": True, "results": [_outcome(kind, ok, value) for ok, value in outcomes]}
+    try:
+        data = wire.packb(body)
+    except wire.WireError:
+        data = wire.packb({"ok": True, "results": _outcomes(kind, outcomes)})
+    return Response(data, media_type=MSGPACK)
+
+
+def _event(kind, ev) -> bytes:
+    if ev["event"] == "done":
+        body = {"event": "done", "ok": True, "results": [_outcome(kind, ok, value) for ok, value in ev["result"]]}
+        try:
+            return wire.packb(body)
+        except wire.WireError:
+            return wire.packb({**body, "results": _outcomes(kind, ev["result"])})
+    return wire.packb(ev)
