@@ -295,7 +295,7 @@ def llama_windows(tok, texts):
 
 def test_difference_of_means_loads_through_the_edit_option_and_steers(tmp_path):
     from asyncinterp.serve import Server
-    from asyncinterp.serve.model_names import install_from_options
+    from asyncinterp.serve.openai.model_names import install_from_options
 
     lm = ai.models.tiny("llama")
     layer = 1
