@@ -34,6 +34,8 @@ def recorder(specs, chunks):
 
 def _tap(run, group, read, out):
     def tap(value):
+        if group not in run.layout.spans:     # this request has no tokens in this engine step
+            return
         v = run.layout.view(value, group)
         if read is not None:
             v = read(v)
