@@ -24,7 +24,7 @@ import torch
 from .batch import HarvestBatch
 from .vllm_capture import join_chunks, recorder
 
-__all__ = ["window_reducer", "merged"]
+__all__ = ["window_reducer", "merged", "run_batch"]
 
 
 def window_reducer(specs, positions, context: int, window_id: int, token_ids, reductions):
@@ -64,3 +64,19 @@ def merged(reductions, window_states) -> list:
             part.load_state_dict(state)
             r.merge(part)
     return out
+
+
+def run_batch(engine, ids, window_ids, reductions, empty, save_activations: bool) -> dict:
+    """One batch of a harvest: the engine's activations (``{}`` when they are not kept), with ``reductions``
+    updated. Without saved activations, an engine that reduces inside itself (vLLM: ``engine.reduce``) does
+    so, from ``empty`` (the reductions with no state yet); otherwise the reductions see the batch here."""
+    if reductions and not save_activations and hasattr(engine, "reduce"):
+        for r, part in zip(reductions, engine.reduce(ids, window_ids, empty)):
+            r.merge(part)
+        return {}
+    acts = engine(ids)
+    if reductions:
+        batch = HarvestBatch(window_ids=window_ids, token_ids=ids, acts=acts)
+        for r in reductions:
+            r.update(batch)
+    return acts

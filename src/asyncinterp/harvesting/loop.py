@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .batch import HarvestBatch
+from .in_engine import run_batch
 from .points import STORAGE_DTYPES, kept
 
 __all__ = ["HarvestResult", "run_loop"]
@@ -130,21 +130,11 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
         if shard is not None and shard.index != k:
             finish(shard)                   # the reductions' state as of the end of that shard
             shard = None
-        in_engine = reductions and not save_activations and hasattr(engine, "reduce")
-        if in_engine:        # vLLM: reduced where the interventions run; only the reductions' state comes back
-            for r, part in zip(reductions, engine.reduce(ids, window_ids, empty)):
-                r.merge(part)
-            acts = {}
-        else:
-            acts = engine(ids)
+        acts = run_batch(engine, ids, window_ids, reductions, empty, save_activations)
         if shard is None:
             if columns_dims is None:
                 columns_dims = {name: v.shape[-1] for name, v in acts.items()}
             shard = _Shard(k, shard_windows, p_kept, columns_dims if save_activations else {}, dtype)
-        if reductions and not in_engine:
-            hb = HarvestBatch(window_ids=window_ids, token_ids=ids, acts=acts)
-            for r in reductions:
-                r.update(hb)
         if save_activations:
             shard.add(acts, ids[:, tok_slice], dtype)
         else:

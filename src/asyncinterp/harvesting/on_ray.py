@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .batch import HarvestBatch
+from .in_engine import run_batch
 from .store import Store
 
 __all__ = ["RayOptions", "ShardWorker", "run_on_ray"]
@@ -142,12 +142,8 @@ class ShardWorker:
         first = k * self.shard_windows
         for s in range(0, ids.shape[0], self.batch_size):
             chunk = ids[s:s + self.batch_size]
-            acts = self.engine(chunk)
-            if reductions:
-                hb = HarvestBatch(window_ids=torch.arange(first + s, first + s + chunk.shape[0]), token_ids=chunk,
-                                  acts=acts)
-                for r in reductions:
-                    r.update(hb)
+            acts = run_batch(self.engine, chunk, torch.arange(first + s, first + s + chunk.shape[0]), reductions,
+                             self.reductions, self.save_activations)
             if shard is None:
                 dims = {name: v.shape[-1] for name, v in acts.items()}
                 shard = _Shard(k, self.shard_windows, p_kept, dims if self.save_activations else {}, self.dtype)
