@@ -208,3 +208,23 @@ def test_the_page_runs_on_the_cluster(cluster):
     from docsnippets import run_page
     ns = run_page("harvest-reductions.md")
     assert ns["spread"].computed_shards == ns["spread"].shards == ns["local"].shards
+
+
+def test_a_worker_never_writes_a_complete_shard_twice(lm, tmp_path):
+    """A retried block whose shard is on disk (data and reductions' state) is answered without writing."""
+    from asyncinterp.harvesting.on_ray import ShardWorker
+    from asyncinterp.harvesting.points import PointSpec
+    from asyncinterp.harvesting.store import Store
+    import numpy as np
+    out = tmp_path / "out"
+    Store(str(out)).open({"format": "test"})
+    worker = ShardWorker(Rebuild(lm), [PointSpec(POINT, POINT)], slice(None), "float32", 16, 4, 8, reductions(),
+                         True, True, str(out), None)
+    ids = np.arange(8 * 16, dtype=np.int64).reshape(1, 8, 16) % 90
+    first = worker({"shard": np.array([3]), "ids": ids})
+    names = sorted(os.listdir(out))
+    assert bool(first["computed"][0]) and "data-00003.arrow" in names and "reductions-part-00003.safetensors" in names
+    stamps = {n: os.stat(out / n).st_mtime_ns for n in names}
+    again = worker({"shard": np.array([3]), "ids": ids})
+    assert not bool(again["computed"][0])
+    assert {n: os.stat(out / n).st_mtime_ns for n in sorted(os.listdir(out))} == stamps
