@@ -1,4 +1,4 @@
-"""A harvest on Ray Data (issue 32 item 8): 2 engine actors on a 2-node local cluster give the same files as one process.
+"""A harvest on Ray Data (issue 32 item 8): 2 engine actors on a 2-node local cluster write what one process writes.
 
 One ``ray.cluster_utils.Cluster`` for the module (tests/ray_helpers.py: a head with no CPUs, two one-CPU worker
 nodes, so the two actors land on different nodes). The reference is the same harvest in this process. Checked:
@@ -228,3 +228,11 @@ def test_a_worker_never_writes_a_complete_shard_twice(lm, tmp_path):
     again = worker({"shard": np.array([3]), "ids": ids})
     assert not bool(again["computed"][0])
     assert {n: os.stat(out / n).st_mtime_ns for n in sorted(os.listdir(out))} == stamps
+
+
+def test_a_run_past_its_timeout_is_an_error(cluster, lm, data, tmp_path):
+    """(Last in the module: the abandoned run's actors go with the cluster.)"""
+    out = tmp_path / "out"
+    with pytest.raises(TimeoutError, match="past its timeout of 4 s"):
+        ai.harvest(lm, data, [POINT], str(out), reductions=reductions(),
+                   ray=RayOptions(actors=1, timeout=4, model=Recorded(lm, tmp_path, delay=0.2)), **OPTIONS)

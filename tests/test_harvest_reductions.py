@@ -236,7 +236,8 @@ def test_topk_per_sae_feature_read_at_the_spliced_sae(gpt2_hf, tmp_path):
             r.update(HarvestBatch(torch.arange(s, s + ids.shape[0]), ids, {feature_point: f}))
     # the reference: the SAE's encoder applied by hand to the residual read by a plain torch hook
     seen = []
-    h = gpt2_hf.transformer.h[1].register_forward_hook(lambda mod, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    h = gpt2_hf.transformer.h[1].register_forward_hook(
+        lambda mod, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
     with torch.no_grad():
         gpt2_hf(windows)
         want = sae.encode(seen[0])

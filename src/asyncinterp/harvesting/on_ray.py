@@ -53,7 +53,8 @@ class RayOptions:
       ai.LanguageModel.from_pretrained, path)``); by default the driver's transformers model is shipped to the
       actors by value, with its attached modules and edits (:class:`Rebuild`; fine for small models; an
       ``ai.VLLM`` engine must be built on the actor);
-    * ``timeout``: seconds the whole run may take before it is an error.
+    * ``start_timeout``: seconds the actors may take to start (placed, model loaded) before it is an error
+      (a cluster without room for them); ``timeout``: seconds the whole run may take.
     """
 
     address: str | None = None
@@ -62,6 +63,7 @@ class RayOptions:
     num_gpus: float = 0
     model: object = None
     timeout: float = 24 * 3600
+    start_timeout: float = 600
     ray_remote_args: dict = field(default_factory=dict)
 
     @classmethod
@@ -241,11 +243,14 @@ def run_on_ray(options, engine_model, store: Store, window_iter, *, specs, posit
     bar.update(sum(sizes[k] for k in sizes if k not in {i["shard"] for i in items}) * context_size)
     computed = 0
     if items:
-        ray.data.DataContext.get_current().enable_progress_bars = False     # ours (tqdm) counts tokens
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False     # ours (tqdm) counts tokens
+        context.wait_for_min_actors_s = int(options.start_timeout)
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         factory = options.model if options.model is not None else Rebuild(engine_model)
         results = ds.map_batches(
-            ShardWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=options.actors), num_cpus=options.num_cpus,
+            ShardWorker, batch_size=1, compute=ray.data.ActorPoolStrategy(size=options.actors),
+            num_cpus=options.num_cpus,
             num_gpus=options.num_gpus or None, zero_copy_batch=True,
             fn_constructor_kwargs=dict(
                 factory=factory, specs=specs, positions=positions, dtype=dtype,
@@ -253,14 +258,19 @@ def run_on_ray(options, engine_model, store: Store, window_iter, *, specs, posit
                 reductions=pristine, save_activations=save_activations, stop_early=stop_early,
                 out=store.url, storage_options=storage_options),
             **options.ray_remote_args)
-        deadline = time.monotonic() + options.timeout
-        for row in results.iter_rows():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the Ray harvest ran past its timeout of {options.timeout} s")
-            computed += int(row["computed"])
-            bar.update(int(row["windows"]) * context_size)
-            if reductions:
-                folded = _fold(store, running, pristine, folded, n_shards, save_activations)
+        with _Watchdog(options.timeout) as watchdog:
+            try:
+                for row in results.iter_rows():
+                    watchdog.check()
+                    computed += int(row["computed"])
+                    bar.update(int(row["windows"]) * context_size)
+                    if reductions:
+                        folded = _fold(store, running, pristine, folded, n_shards, save_activations)
+            except KeyboardInterrupt:
+                if not watchdog.fired:
+                    raise
+                raise TimeoutError(f"the Ray harvest ran past its timeout of {options.timeout} s (RayOptions."
+                                   "timeout); rerun with the same arguments to resume it") from None
     bar.close()
     if reductions:
         folded = _fold(store, running, pristine, folded, n_shards, save_activations)
@@ -290,6 +300,37 @@ def run_on_ray(options, engine_model, store: Store, window_iter, *, specs, posit
                            manifest=manifest)
     result.computed_shards = computed
     return result
+
+
+class _Watchdog:
+    """Interrupts the main thread after ``seconds`` (Ray Data's iterator has no timeout of its own); from
+    another thread, the deadline is checked only as rows arrive."""
+
+    def __init__(self, seconds: float):
+        import threading
+        self.fired = False
+        self.deadline = time.monotonic() + seconds
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._main = threading.current_thread() is threading.main_thread()
+
+    def _fire(self):
+        import _thread
+        self.fired = True
+        _thread.interrupt_main()
+
+    def check(self) -> None:
+        if time.monotonic() > self.deadline:
+            self.fired = True
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if self._main:
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
 
 
 def _folded_prefix(names) -> int:
