@@ -12,6 +12,7 @@ nodes, so the two actors land on different nodes). The reference is the same har
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,11 @@ def reference(lm, data, tmp_path_factory):
     return out, result
 
 
+def shards_on_disk(out):
+    """The completed shards' data files in ``out`` (not the temporary files of a write under way)."""
+    return sorted(n for n in (os.listdir(out) if out.exists() else []) if re.fullmatch(r"data-\d{5}\.arrow", n))
+
+
 def actors_seen(where):
     out = {}
     for name in os.listdir(where):
@@ -133,7 +139,7 @@ def test_a_killed_actor_has_its_block_redone_and_the_files_are_still_identical(c
     def kill_one():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            shards = [n for n in (os.listdir(out) if out.exists() else []) if n.startswith("data-")]
+            shards = shards_on_disk(out)
             actors = actors_seen(where)
             if len(shards) >= 2 and actors:
                 pid = min(actors)
@@ -180,7 +186,7 @@ def test_a_killed_driver_resumes_with_only_the_missing_shards(cluster, lm, data,
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            done = [n for n in (os.listdir(out) if out.exists() else []) if n.startswith("data-")]
+            done = shards_on_disk(out)
             if len(done) >= 3:
                 break
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
@@ -194,7 +200,7 @@ def test_a_killed_driver_resumes_with_only_the_missing_shards(cluster, lm, data,
             proc.kill()
             proc.wait(timeout=30)
     time.sleep(2)                                             # its actors die with their driver
-    partial = sorted(n for n in os.listdir(out) if n.startswith("data-"))
+    partial = shards_on_disk(out)
     assert 3 <= len(partial) < ref.shards
     got = ai.harvest(lm, data, [POINT], str(out), reductions=reductions(), ray=RayOptions(actors=2), **OPTIONS)
     assert got.resumed_shards >= len(partial)                  # the shards on disk are not computed again
