@@ -66,6 +66,7 @@ class Harvest:
         from .loop import run_loop
         from .manifest import build_manifest
         from .points import PointSpec, column_name, kept, parse_positions, storage_dtype
+        from .ranks import on_rank0, world
         from .store import Store
         from .windows import WindowSpec, open_rows, windows
 
@@ -105,21 +106,29 @@ class Harvest:
         dataset_id = {**dataset_id, "split": split}
         engine = engine_for(model, specs, positions,
                             **({} if type(model).__name__ == "VLLM" else {"stop_early": stop_early}))
-        manifest = build_manifest(model, engine.kind, specs, positions, dtype, spec, batch_size, shard_windows,
+        rank, ranks = world()
+        kind = engine.kind if ranks == 1 else f"{engine.kind}-tp{ranks}"
+        manifest = build_manifest(model, kind, specs, positions, dtype, spec, batch_size, shard_windows,
                                   max_windows, tokenizer, dataset_id, reductions, save_activations, stop_early)
         store = Store(out, storage_options)
-        store.open(manifest, count=ray is None)
         if ray is not None:
+            if ranks > 1:
+                raise ValueError("ray= runs one engine per actor; it does not combine with tensor-parallel ranks "
+                                 "launched around this call (give each actor its own model instead)")
+            store.open(manifest, count=False)
             from .on_ray import run_on_ray
             return run_on_ray(ray, model, store, windows(rows, spec, tokenizer), specs=specs, positions=positions,
                               dtype=dtype, context_size=context_size, batch_size=batch_size,
                               shard_windows=shard_windows, max_windows=max_windows, reductions=reductions,
                               save_activations=save_activations, progress=progress, manifest=manifest,
                               stop_early=stop_early, storage_options=storage_options)
+        # under tensor parallelism every rank computes, rank 0 alone owns the directory (see .ranks)
+        done = on_rank0(lambda: store.open(manifest, "data" if save_activations else "reductions"))
         return run_loop(engine, store, windows(rows, spec, tokenizer), specs=specs, positions=positions,
                         dtype=dtype, context_size=context_size, batch_size=batch_size,
-                        shard_windows=shard_windows, max_windows=max_windows, reductions=reductions,
-                        save_activations=save_activations, progress=progress, manifest=manifest)
+                        shard_windows=shard_windows, max_windows=max_windows,
+                        reductions=reductions if rank == 0 else [], save_activations=save_activations,
+                        progress=progress and rank == 0, manifest=manifest, done=done, writer=rank == 0)
 
     @staticmethod
     def open(path, columns=None, storage_options=None):

@@ -96,11 +96,13 @@ def _batches(window_iter, batch_size, shard_windows, first_window):
 
 
 def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_size, batch_size, shard_windows,
-             max_windows, reductions, save_activations, progress, manifest) -> HarvestResult:
-    """Run the harvest (see the module docs); ``store.open`` has been called and said ``done`` shards exist."""
+             max_windows, reductions, save_activations, progress, manifest, done, writer=True) -> HarvestResult:
+    """Run the harvest (see the module docs); ``store.open`` has said that ``done`` shards exist.
+
+    ``writer=False`` (tensor-parallel ranks but rank 0): compute every batch, write nothing.
+    """
     from tqdm.auto import tqdm
     start = time.perf_counter()
-    done = store.completed("data" if save_activations else "reductions")
     empty = [copy.deepcopy(r) for r in reductions]     # before any state: what in-engine reductions start from
     if done and reductions:
         store.load_state(done - 1, reductions)
@@ -120,6 +122,8 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
     tok_slice = slice(-1, None) if positions == -1 else positions
 
     def finish(sh):
+        if not writer:
+            return
         if reductions:
             store.write_state(sh.index, reductions)
         if save_activations:
@@ -148,7 +152,7 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
     if n_shards == 0:
         raise ValueError("the dataset gave no window: it is empty, or every document is shorter than "
                          f"context_size={context_size} with packing='truncate'")
-    if save_activations:
+    if save_activations and writer:
         if columns_dims is None:                     # every shard was on disk already
             from datasets import Features
             columns_dims = _dims_on_disk(store, Features)
@@ -158,8 +162,8 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
         name = getattr(r, "name", None) or f"reduction{i}"
         results[name] = r.result()
         _write_result(store, name, results[name])
-    windows = last_window if last_window > first else _windows_on_disk(store, n_shards, shard_windows,
-                                                                       save_activations)
+    windows = last_window if last_window > first or not writer else _windows_on_disk(
+        store, n_shards, shard_windows, save_activations)
     return HarvestResult(path=store.url, windows=windows, tokens=windows * context_size, shards=n_shards,
                          resumed_shards=done, seconds=time.perf_counter() - start, reductions=results,
                          manifest=manifest)

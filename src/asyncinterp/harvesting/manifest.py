@@ -42,9 +42,11 @@ def weights_sha256(model) -> str:
     module = getattr(model, "module", model)
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
+        if hasattr(tensor, "to_local"):          # a tensor-parallel shard (DTensor): this rank's part
+            tensor = tensor.to_local()
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())       # the buffer itself, not a copy
     return h.hexdigest()
 
 
@@ -68,11 +70,8 @@ def _versions(engine_kind: str) -> dict:
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
-            continue
-    if "asyncinterp" not in out:
-        from .. import __version__
-        out["asyncinterp"] = __version__
-    return out
+            out[name] = "not installed" if name == "asyncinterp" else None
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _model_identity(model) -> dict:

@@ -51,7 +51,7 @@ class HarvestDataset(torch.utils.data.Dataset):
 
     def _tensor(self, name, array):
         if name == "token_ids":
-            return torch.from_numpy(np.asarray(array)).to(self.dtype)    # the stored dtype (the reader may widen).long()
+            return torch.from_numpy(np.asarray(array)).long()
         if self.bf16:       # the bits, as uint16 (the reader may widen them: narrow first)
             return torch.from_numpy(np.asarray(array).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(np.asarray(array)).to(self.dtype)    # the stored dtype (the reader may widen)

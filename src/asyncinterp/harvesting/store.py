@@ -83,7 +83,7 @@ class Store:
             return f.read()
 
     # ------------------------------------------------------------ manifest and resume
-    def open(self, manifest: dict, count: bool = True) -> int | None:
+    def open(self, manifest: dict, marker: str = "data", count: bool = True) -> int | None:
         """Check or write the manifest; remove unfinished temporary files; return the completed shard count
         (``count=False``: not counted; a Ray run completes shards out of order, see :mod:`.on_ray`)."""
         self.fs.makedirs(self.root, exist_ok=True)
@@ -103,7 +103,7 @@ class Store:
         for name in self.names():
             if _TMP in name:
                 self.fs.rm(self.path(name))
-        return self.completed() if count else None
+        return self.completed(marker) if count else None
 
     def names(self) -> list:
         if not self.fs.exists(self.root):

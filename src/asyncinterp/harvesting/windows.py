@@ -79,7 +79,8 @@ def open_rows(source, split: str = "train"):
             raise ValueError(f"the DatasetDict has no split {split!r}; its splits: {sorted(source)}")
         source = source[split]
     if isinstance(source, datasets.Dataset):
-        return source, {"kind": "datasets-fingerprint", "value": source._fingerprint}
+        from datasets.fingerprint import generate_fingerprint     # from the dataset's state: its table or files
+        return source, {"kind": "datasets-fingerprint", "value": generate_fingerprint(source)}
     if isinstance(source, datasets.IterableDataset):
         h = hashlib.sha256()        # an iterable dataset of unknown origin: its first rows stand for it
         for row in itertools.islice(iter(source), 64):
@@ -87,7 +88,12 @@ def open_rows(source, split: str = "train"):
         return source, {"kind": "sha256-of-first-64-rows", "value": h.hexdigest()}
     if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
         ds = datasets.load_from_disk(os.fspath(source))    # memory-mapped Arrow files, not read into memory
-        return open_rows(ds, split)
+        rows, _ = open_rows(ds, split)
+        # the fingerprint save_to_disk recorded (from the content), not one from this directory's path
+        state = os.path.join(os.fspath(source), *( [split] if isinstance(ds, datasets.DatasetDict) else []),
+                             "state.json")
+        with open(state) as f:
+            return rows, {"kind": "datasets-fingerprint", "value": json.load(f)["_fingerprint"]}
     if not isinstance(source, (str, os.PathLike, list, tuple)):
         raise TypeError(f"cannot harvest from {type(source).__name__}: give a datasets Dataset / IterableDataset, "
                         "a directory made by save_to_disk, or JSONL / Parquet / Arrow files")
