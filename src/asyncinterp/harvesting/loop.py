@@ -38,6 +38,7 @@ class HarvestResult:
     seconds: float
     reductions: dict = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
+    computed_shards: int | None = None   # shards this run computed (on Ray: the blocks the actors finished)
 
     @property
     def tokens_per_second(self) -> float:
@@ -166,7 +167,7 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
         store, n_shards, shard_windows, save_activations)
     return HarvestResult(path=store.url, windows=windows, tokens=windows * context_size, shards=n_shards,
                          resumed_shards=done, seconds=time.perf_counter() - start, reductions=results,
-                         manifest=manifest)
+                         manifest=manifest, computed_shards=n_shards - done)
 
 
 def _dims_on_disk(store, features_cls) -> dict:

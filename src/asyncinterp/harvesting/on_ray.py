@@ -2,8 +2,8 @@
 
 Why this module exists: one process runs one engine. With ``ray=`` (or
 ``asyncinterp harvest --ray-address ADDR``) the driver cuts the windows
-(one streaming pass, as a local run does; the windows go to Ray's object
-store, 4 or 8 bytes a token, spilled to disk when large), and Ray Data maps
+(one streaming pass, as a local run does; each shard's windows go to Ray's
+object store as they are cut, 4 bytes a token, spilled to disk when large), and Ray Data maps
 the shards, one block each, over an actor pool
 (``map_batches(ShardWorker, concurrency=N)``): each actor holds an engine,
 computes whole shards and writes them to the output directory (a path every
@@ -109,7 +109,7 @@ def _load_state(data: bytes, reductions) -> list:
 class ShardWorker:
     """A Ray Data actor: an engine over the model, computing and writing whole shards (see the module docs)."""
 
-    def __init__(self, factory, specs, positions, dtype, context_size, batch_size, shard_windows,
+    def __init__(self, factory, windows, specs, positions, dtype, context_size, batch_size, shard_windows,
                  reductions, save_activations, stop_early, out, storage_options):
         from .engines import engine_for
         torch.set_grad_enabled(False)
@@ -121,6 +121,7 @@ class ShardWorker:
         self.reductions = reductions          # as the user made them: never updated here, only copied
         self.save_activations = save_activations
         self.store = Store(out, storage_options)
+        self.windows = windows                # shard index -> its windows [n, T] (an ObjectRef, or the array)
 
     def complete(self, k: int) -> bool:
         """Shard ``k``'s files are all on disk (its data, and its reductions' state when there are reductions)."""
@@ -134,7 +135,11 @@ class ShardWorker:
         from .loop import _Shard, features_for
         from .points import kept
         k = int(batch["shard"][0])
-        ids = torch.as_tensor(np.asarray(batch["ids"][0]), dtype=torch.long)
+        windows = self.windows[k]
+        if not isinstance(windows, np.ndarray):
+            import ray
+            windows = ray.get(windows, timeout=600)
+        ids = torch.as_tensor(windows, dtype=torch.long)
         if self.complete(k):                    # a retried block whose shard was finished: never written twice
             return {"shard": np.array([k]), "windows": np.array([ids.shape[0]]), "computed": np.array([False])}
         reductions = [copy.deepcopy(r) for r in self.reductions]
@@ -201,7 +206,7 @@ def _shards(window_iter, shard_windows):
         rows = list(itertools.islice(window_iter, shard_windows))
         if not rows:
             return
-        yield k, np.asarray(rows, dtype=np.int64)
+        yield k, np.asarray(rows, dtype=np.int32 if max(map(max, rows)) < 2 ** 31 else np.int64)
         k += 1
 
 
@@ -228,12 +233,14 @@ def run_on_ray(options, engine_model, store: Store, window_iter, *, specs, posit
     running = _load_state(store.read_bytes(f"reductions-{folded - 1:05d}.safetensors"), pristine) \
         if reductions and folded else [copy.deepcopy(r) for r in pristine]
     marker = "data-{:05d}.arrow" if save_activations else _PART
-    items, n_shards, n_windows, sizes = [], 0, 0, {}
+    items, refs, n_shards, n_windows, sizes = [], {}, 0, 0, {}
     for k, windows in _shards(iter(window_iter), shard_windows):
         n_shards, n_windows, sizes[k] = k + 1, n_windows + len(windows), len(windows)
-        done = marker.format(k) in names and (not reductions or k < folded or _PART.format(k) in names)
+        done = (reductions and k < folded) or (
+            marker.format(k) in names and (not reductions or _PART.format(k) in names))
         if not done:
-            items.append({"shard": k, "ids": windows})
+            refs[k] = ray.put(windows)        # in the object store (spilled when large), not in this process
+            items.append({"shard": k})
     if n_shards == 0:
         raise ValueError("the dataset gave no window: it is empty, or every document is shorter than "
                          f"context_size={context_size} with packing='truncate'")
@@ -253,7 +260,7 @@ def run_on_ray(options, engine_model, store: Store, window_iter, *, specs, posit
             num_cpus=options.num_cpus,
             num_gpus=options.num_gpus or None, zero_copy_batch=True,
             fn_constructor_kwargs=dict(
-                factory=factory, specs=specs, positions=positions, dtype=dtype,
+                factory=factory, windows=refs, specs=specs, positions=positions, dtype=dtype,
                 context_size=context_size, batch_size=batch_size, shard_windows=shard_windows,
                 reductions=pristine, save_activations=save_activations, stop_early=stop_early,
                 out=store.url, storage_options=storage_options),
@@ -297,8 +304,7 @@ def run_on_ray(options, engine_model, store: Store, window_iter, *, specs, posit
         _write_result(store, name, out[name])
     result = HarvestResult(path=store.url, windows=n_windows, tokens=n_windows * context_size, shards=n_shards,
                            resumed_shards=resumed, seconds=time.perf_counter() - start, reductions=out,
-                           manifest=manifest)
-    result.computed_shards = computed
+                           manifest=manifest, computed_shards=computed)
     return result
 
 
