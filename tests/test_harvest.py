@@ -49,28 +49,15 @@ def test_values_equal_hand_written_hooks_bit_for_bit(lm, jsonl, tmp_path):
     assert ds.column_names == ["blocks.1.hook_resid_post", "blocks.2.mlp.hook_post", "blocks.0.attn.hook_z",
                                "token_ids"]
     assert len(ds) == res.windows > 2 * 8               # several shards, the last one partial or full
-    hf = lm.module
-    layer1, mlp2, attn0 = hf.model.layers[1], hf.model.layers[2].mlp, hf.model.layers[0].self_attn
-    z = {}
-    hz = attn0.o_proj.register_forward_pre_hook(lambda m, a: z.__setitem__("z", a[0].clone()))
-    try:
-        for start in range(0, len(ds), 4):
-            rows = ds[start:start + 4]
-            ids = torch.tensor(rows["token_ids"], dtype=torch.long)
-            ref = hook_values(hf, ids, {"r": (layer1, lambda o: o), "m": (mlp2.act_fn, lambda o: o)})
-            # a gated MLP's post is act(gate) * up, the down projection's input
-            ref_m = hook_values(hf, ids, {"m": (mlp2.down_proj, lambda o: o)})  # run to set the pre-hook too
-            with torch.no_grad():
-                d_in = {}
-                h = mlp2.down_proj.register_forward_pre_hook(lambda m, a: d_in.__setitem__("x", a[0].clone()))
-                hf(ids)
-                h.remove()
-            assert torch.equal(torch.tensor(np.array(rows["blocks.1.hook_resid_post"])), ref["r"])
-            assert torch.equal(torch.tensor(np.array(rows["blocks.2.mlp.hook_post"])), d_in["x"])
-            assert torch.equal(torch.tensor(np.array(rows["blocks.0.attn.hook_z"])), z["z"])
-            del ref_m
-    finally:
-        hz.remove()
+    hf = lm.module.model
+    hooks = {"blocks.1.hook_resid_post": (hf.layers[1], "output"),
+             "blocks.2.mlp.hook_post": (hf.layers[2].mlp.down_proj, "input"),      # act(gate) * up
+             "blocks.0.attn.hook_z": (hf.layers[0].self_attn.o_proj, "input")}    # heads before o_proj
+    for start in range(0, len(ds), 4):
+        rows = ds[start:start + 4]
+        ref = hook_values(lm.module, torch.tensor(rows["token_ids"], dtype=torch.long), hooks)
+        for name, want in ref.items():
+            assert torch.equal(torch.tensor(np.array(rows[name])), want), (start, name)
 
 
 def test_windows_follow_saelens_packing(lm, docs, jsonl, tmp_path):
@@ -261,3 +248,19 @@ def test_bad_arguments_say_what_to_do(lm, jsonl, tmp_path):
         _harvest(lm, str(tmp_path / "missing.jsonl"), ["blocks.0.hook_resid_post"], tmp_path / "e")
     with pytest.raises(ValueError, match="per-head|positions="):
         _harvest(lm, jsonl, ["blocks.0.attn.hook_pattern"], tmp_path / "f")
+
+
+def test_command_line_harvest_and_its_errors(jsonl, tmp_path, capsys):
+    from asyncinterp.cli import main
+    from asyncinterp.models.hf.bundled import tiny_llama_dir
+    model_dir = str(tiny_llama_dir(tmp_path / "model", seed=0))
+    args = ["harvest", model_dir, "--dataset", jsonl, "--points", "blocks.1.hook_resid_post", "--out",
+            str(tmp_path / "h"), "--context-size", "16", "--batch-size", "4", "--max-windows", "8", "--no-progress"]
+    assert main(args) == 0
+    assert "8 windows (128 tokens) in 1 shard(s)" in capsys.readouterr().out
+    assert len(ai.harvest.open(tmp_path / "h")) == 8
+    other = list(args)
+    other[other.index("blocks.1.hook_resid_post")] = "blocks.0.hook_resid_post"
+    assert main(other) == 1
+    err = capsys.readouterr().err
+    assert "holds another harvest" in err and "points" in err

@@ -51,7 +51,7 @@ def test_vllm_harvest_equals_transformers_and_hooks(engines, data, tmp_path):
         torch.testing.assert_close(_stack(v, col), _stack(t, col), rtol=1e-4, atol=1e-4, msg=lambda s: f"{col}: {s}")
     # and a plain forward hook on the transformers model, on the windows the vLLM harvest stored
     ids = _stack(v, "token_ids").long()[:8]
-    ref = hook_values(lm.module, ids, {"r": (lm.module.model.layers[1], lambda o: o)})
+    ref = hook_values(lm.module, ids, {"r": (lm.module.model.layers[1], "output")})
     torch.testing.assert_close(_stack(v, "blocks.1.hook_resid_post")[:8], ref["r"], rtol=1e-4, atol=1e-4)
     assert v.manifest["engine"] == "vllm" and v.manifest["model"]["weights_sha256"]
 

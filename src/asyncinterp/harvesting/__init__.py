@@ -106,7 +106,7 @@ class Harvest:
         dataset_id = {**dataset_id, "split": split}
         engine = engine_for(model, specs, positions,
                             **({} if type(model).__name__ == "VLLM" else {"stop_early": stop_early}))
-        rank, ranks = world()
+        rank, ranks = world() if engine.kind == "transformers" else (0, 1)   # vLLM: its own workers
         kind = engine.kind if ranks == 1 else f"{engine.kind}-tp{ranks}"
         manifest = build_manifest(model, kind, specs, positions, dtype, spec, batch_size, shard_windows,
                                   max_windows, tokenizer, dataset_id, reductions, save_activations, stop_early)

@@ -94,5 +94,10 @@ class VLLMEngine:
 def engine_for(model, specs, positions, **options):
     """The harvest engine of ``model``: vLLM for ``ai.VLLM``, transformers forwards otherwise."""
     if type(model).__name__ == "VLLM":
+        if getattr(model, "tp", 1) > 1:
+            raise NotImplementedError(
+                "ai.harvest on a vLLM engine with tensor_parallel_size > 1 is not supported yet: its interventions "
+                "run in vLLM's worker processes, and the harvest records in this one. Harvest on vLLM with "
+                "tensor_parallel_size=1, or on a transformers model loaded with tp_plan='auto' (docs/harvest.md)")
         return VLLMEngine(model, specs, positions)
     return TransformersEngine(model, specs, positions, **options)
