@@ -104,7 +104,7 @@ class Harvest:
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         rows, dataset_id = open_rows(dataset, split)
         dataset_id = {**dataset_id, "split": split}
-        engine = engine_for(model, specs, positions,
+        engine = engine_for(model, specs, positions, reduce_only=bool(reductions) and not save_activations,
                             **({} if type(model).__name__ == "VLLM" else {"stop_early": stop_early}))
         rank, ranks = world() if engine.kind == "transformers" else (0, 1)   # vLLM: its own workers
         kind = engine.kind if ranks == 1 else f"{engine.kind}-tp{ranks}"

@@ -91,13 +91,17 @@ class VLLMEngine:
         return merged(reductions, [inv.result for inv in invokes])
 
 
-def engine_for(model, specs, positions, **options):
-    """The harvest engine of ``model``: vLLM for ``ai.VLLM``, transformers forwards otherwise."""
+def engine_for(model, specs, positions, reduce_only: bool = False, **options):
+    """The harvest engine of ``model``: vLLM for ``ai.VLLM``, transformers forwards otherwise.
+
+    ``reduce_only``: the harvest keeps only reductions, which a vLLM engine computes inside its
+    interventions (:mod:`.in_engine`), under tensor parallelism too."""
     if type(model).__name__ == "VLLM":
-        if getattr(model, "tp", 1) > 1:
+        if getattr(model, "tp", 1) > 1 and not reduce_only:
             raise NotImplementedError(
                 "ai.harvest on a vLLM engine with tensor_parallel_size > 1 is not supported yet: its interventions "
                 "run in vLLM's worker processes, and the harvest records in this one. Harvest on vLLM with "
-                "tensor_parallel_size=1, or on a transformers model loaded with tp_plan='auto' (docs/harvest.md)")
+                "tensor_parallel_size=1, or on a transformers model loaded with tp_plan='auto' (docs/harvest.md); "
+                "reductions alone (save_activations=False) do run under vLLM tensor parallelism")
         return VLLMEngine(model, specs, positions)
     return TransformersEngine(model, specs, positions, **options)

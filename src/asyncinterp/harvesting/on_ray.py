@@ -115,7 +115,8 @@ class ShardWorker:
         torch.set_grad_enabled(False)
         model = factory()
         options = {} if type(model).__name__ == "VLLM" else {"stop_early": stop_early}
-        self.engine = engine_for(model, specs, positions, **options)
+        self.engine = engine_for(model, specs, positions, reduce_only=bool(reductions) and not save_activations,
+                                 **options)
         self.positions, self.dtype, self.context_size = positions, dtype, context_size
         self.batch_size, self.shard_windows = batch_size, shard_windows
         self.reductions = reductions          # as the user made them: never updated here, only copied
