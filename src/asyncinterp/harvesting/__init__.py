@@ -39,7 +39,7 @@ class Harvest:
                  positions="all", dtype="float32", batch_size: int = 8, shard_windows: int | None = None,
                  buffer_mb: float = 256, max_windows: int | None = None, max_tokens: int | None = None,
                  reductions=(), save_activations: bool = True, tokenizer=None, storage_options=None,
-                 progress: bool = True, stop_early: bool = True):
+                 progress: bool = True, stop_early: bool = True, ray=None):
         """Harvest ``points`` of ``model`` over ``dataset`` into the directory (or fsspec URL) ``out``.
 
         * ``model``: an ``ai.LanguageModel`` (transformers forwards) or ``ai.VLLM`` (prompt-only requests).
@@ -56,6 +56,9 @@ class Harvest:
         * ``reductions``: objects with ``update(HarvestBatch)`` ... (see :mod:`.batch`);
           ``save_activations=False`` keeps only their results.
         * ``stop_early`` (transformers): stop each forward after the last harvested point.
+
+        * ``ray``: compute the shards on N engine actors of a Ray cluster through Ray Data (``True``, an
+          address, or :class:`~.on_ray.RayOptions`); the same files as one process (see :mod:`.on_ray`).
 
         Returns a :class:`~.loop.HarvestResult`.
         """
@@ -101,13 +104,24 @@ class Harvest:
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         rows, dataset_id = open_rows(dataset, split)
         dataset_id = {**dataset_id, "split": split}
-        engine = engine_for(model, specs, positions,
+        engine = engine_for(model, specs, positions, reduce_only=bool(reductions) and not save_activations,
                             **({} if type(model).__name__ == "VLLM" else {"stop_early": stop_early}))
         rank, ranks = world() if engine.kind == "transformers" else (0, 1)   # vLLM: its own workers
         kind = engine.kind if ranks == 1 else f"{engine.kind}-tp{ranks}"
         manifest = build_manifest(model, kind, specs, positions, dtype, spec, batch_size, shard_windows,
                                   max_windows, tokenizer, dataset_id, reductions, save_activations, stop_early)
         store = Store(out, storage_options)
+        if ray is not None:
+            if ranks > 1:
+                raise ValueError("ray= runs one engine per actor; it does not combine with tensor-parallel ranks "
+                                 "launched around this call (give each actor its own model instead)")
+            store.open(manifest, count=False)
+            from .on_ray import run_on_ray
+            return run_on_ray(ray, model, store, windows(rows, spec, tokenizer), specs=specs, positions=positions,
+                              dtype=dtype, context_size=context_size, batch_size=batch_size,
+                              shard_windows=shard_windows, max_windows=max_windows, reductions=reductions,
+                              save_activations=save_activations, progress=progress, manifest=manifest,
+                              stop_early=stop_early, storage_options=storage_options)
         # under tensor parallelism every rank computes, rank 0 alone owns the directory (see .ranks)
         done = on_rank0(lambda: store.open(manifest, "data" if save_activations else "reductions"))
         return run_loop(engine, store, windows(rows, spec, tokenizer), specs=specs, positions=positions,

@@ -43,6 +43,12 @@ def add_parser(subparsers):
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("past one machine (Ray Data; docs/harvest.md)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="compute the shards on engine actors of this Ray cluster ('auto', host:port, ray://...; "
+                        "'local': a new local Ray); the output directory must be one every node sees")
+    g.add_argument("--ray-actors", type=int, default=2, metavar="N", help="engine actors (default 2)")
+    g.add_argument("--ray-cpus", type=float, default=1, metavar="N", help="CPUs per actor (default 1)")
     p.set_defaults(func=run)
     return p
 
@@ -68,6 +74,17 @@ def _load(args):
     return LanguageModel.from_pretrained(args.model, dtype=dtype)
 
 
+def _ray_options(args):
+    """``--ray-address``: each actor loads MODEL as this command does (not shipped from here)."""
+    if args.ray_address is None:
+        return None
+    import functools
+
+    from .on_ray import RayOptions
+    return RayOptions(address=None if args.ray_address == "local" else args.ray_address, actors=args.ray_actors,
+                      num_cpus=args.ray_cpus, model=functools.partial(_load, args))
+
+
 def run(args) -> int:
     from . import harvest
     dataset = args.dataset.split(",") if "," in args.dataset else args.dataset
@@ -84,7 +101,7 @@ def run(args) -> int:
                          prepend_bos=not args.no_prepend_bos, separator=separator, packing=args.packing,
                          positions=args.positions, dtype=args.dtype, batch_size=args.batch_size,
                          shard_windows=args.shard_windows, buffer_mb=args.buffer_mb, max_windows=args.max_windows,
-                         max_tokens=args.max_tokens, progress=not args.no_progress)
+                         max_tokens=args.max_tokens, progress=not args.no_progress, ray=_ray_options(args))
     except ManifestMismatch as exc:
         print(f"asyncinterp harvest: error: {exc}", file=sys.stderr)
         return 1

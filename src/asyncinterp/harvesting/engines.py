@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernel.scheduler import current_kernel, current_task
 from ..kernel.tasks import gather
+from .vllm_capture import join_chunks, recorder
 
 __all__ = ["TransformersEngine", "VLLMEngine", "engine_for"]
 
@@ -67,57 +67,41 @@ class VLLMEngine:
         self.specs = specs
         self.positions = positions
 
-    def _recorder(self, chunks):
-        specs = self.specs
-
-        async def record(m):
-            run = current_kernel().host
-            group = current_task().group
-            for i, spec in enumerate(specs):
-                point = m.at(spec.path)
-                read = point.read if point.key is not point else None
-                run.tap(point.key, self._tap(run, group, read, chunks[i]))
-        return record
-
-    @staticmethod
-    def _tap(run, group, read, out):
-        def tap(value):
-            if group not in run.layout.spans:     # this request has no tokens in this engine step
-                return
-            v = run.layout.view(value, group)
-            if read is not None:
-                v = read(v)
-            out.append(v.detach().to(torch.float32, copy=True))
-        return tap
-
     def __call__(self, ids: torch.Tensor) -> dict:
         batch, context = ids.shape
         per_window = [[[] for _ in self.specs] for _ in range(batch)]
         with self.model.generate(max_new_tokens=1, temperature=0.0) as run:
             for row, chunks in zip(ids, per_window):
-                run.invoke(row, self._recorder(chunks))
+                run.invoke(row, recorder(self.specs, chunks))
         out = {}
         for i, spec in enumerate(self.specs):
-            rows = []
-            for w in range(batch):
-                parts = per_window[w][i]
-                if not parts:
-                    raise RuntimeError(f"point {spec.path!r} did not fire for window {w} of the batch in vLLM")
-                whole = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-                if whole.shape[1] != context:     # the decode pass of the sampled token must not count
-                    whole = whole[:, :context]
-                rows.append(spec.take(whole, self.positions, 1, context))
+            rows = [join_chunks(spec, per_window[w][i], self.positions, context, w) for w in range(batch)]
             out[spec.column] = torch.cat(rows, dim=0)
         return out
 
+    def reduce(self, ids: torch.Tensor, window_ids: torch.Tensor, reductions) -> list:
+        """The reductions of a batch, computed inside the engine (see :mod:`.in_engine`): one state per
+        window comes back, not the activations. ``reductions`` hold no state yet; returns copies of them
+        holding the batch's."""
+        from .in_engine import merged, window_reducer
+        batch, context = ids.shape
+        with self.model.generate(max_new_tokens=1, temperature=0.0) as run:
+            invokes = [run.invoke(row, window_reducer(self.specs, self.positions, context, int(w), row, reductions))
+                       for row, w in zip(ids, window_ids)]
+        return merged(reductions, [inv.result for inv in invokes])
 
-def engine_for(model, specs, positions, **options):
-    """The harvest engine of ``model``: vLLM for ``ai.VLLM``, transformers forwards otherwise."""
+
+def engine_for(model, specs, positions, reduce_only: bool = False, **options):
+    """The harvest engine of ``model``: vLLM for ``ai.VLLM``, transformers forwards otherwise.
+
+    ``reduce_only``: the harvest keeps only reductions, which a vLLM engine computes inside its
+    interventions (:mod:`.in_engine`), under tensor parallelism too."""
     if type(model).__name__ == "VLLM":
-        if getattr(model, "tp", 1) > 1:
+        if getattr(model, "tp", 1) > 1 and not reduce_only:
             raise NotImplementedError(
                 "ai.harvest on a vLLM engine with tensor_parallel_size > 1 is not supported yet: its interventions "
                 "run in vLLM's worker processes, and the harvest records in this one. Harvest on vLLM with "
-                "tensor_parallel_size=1, or on a transformers model loaded with tp_plan='auto' (docs/harvest.md)")
+                "tensor_parallel_size=1, or on a transformers model loaded with tp_plan='auto' (docs/harvest.md); "
+                "reductions alone (save_activations=False) do run under vLLM tensor parallelism")
         return VLLMEngine(model, specs, positions)
     return TransformersEngine(model, specs, positions, **options)

@@ -12,6 +12,7 @@ restored, and the run goes on where it stopped.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .batch import HarvestBatch
+from .in_engine import run_batch
 from .points import STORAGE_DTYPES, kept
 
 __all__ = ["HarvestResult", "run_loop"]
@@ -37,6 +38,7 @@ class HarvestResult:
     seconds: float
     reductions: dict = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
+    computed_shards: int | None = None   # shards this run computed (on Ray: the blocks the actors finished)
 
     @property
     def tokens_per_second(self) -> float:
@@ -102,6 +104,7 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
     """
     from tqdm.auto import tqdm
     start = time.perf_counter()
+    empty = [copy.deepcopy(r) for r in reductions]     # before any state: what in-engine reductions start from
     if done and reductions:
         store.load_state(done - 1, reductions)
     first = done * shard_windows
@@ -132,15 +135,11 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
         if shard is not None and shard.index != k:
             finish(shard)                   # the reductions' state as of the end of that shard
             shard = None
-        acts = engine(ids)
+        acts = run_batch(engine, ids, window_ids, reductions, empty, save_activations)
         if shard is None:
             if columns_dims is None:
                 columns_dims = {name: v.shape[-1] for name, v in acts.items()}
             shard = _Shard(k, shard_windows, p_kept, columns_dims if save_activations else {}, dtype)
-        if reductions:
-            hb = HarvestBatch(window_ids=window_ids, token_ids=ids, acts=acts)
-            for r in reductions:
-                r.update(hb)
         if save_activations:
             shard.add(acts, ids[:, tok_slice], dtype)
         else:
@@ -168,7 +167,7 @@ def run_loop(engine, store, window_iter, *, specs, positions, dtype, context_siz
         store, n_shards, shard_windows, save_activations)
     return HarvestResult(path=store.url, windows=windows, tokens=windows * context_size, shards=n_shards,
                          resumed_shards=done, seconds=time.perf_counter() - start, reductions=results,
-                         manifest=manifest)
+                         manifest=manifest, computed_shards=n_shards - done)
 
 
 def _dims_on_disk(store, features_cls) -> dict:

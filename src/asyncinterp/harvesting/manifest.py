@@ -106,7 +106,8 @@ def build_manifest(model, engine_kind, specs, positions, dtype, spec, batch_size
                     "max_windows": max_windows},
         "tokenizer": tokenizer_identity(tokenizer),
         "dataset": dataset_id,
-        "reductions": [type(r).__module__ + "." + type(r).__qualname__ for r in reductions],
+        "reductions": [r.describe() if hasattr(r, "describe") else type(r).__module__ + "." + type(r).__qualname__
+                       for r in reductions],
         "save_activations": bool(save_activations),
         "stop_early": bool(stop_early),
         "code": _versions(engine_kind),

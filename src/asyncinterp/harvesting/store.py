@@ -83,8 +83,9 @@ class Store:
             return f.read()
 
     # ------------------------------------------------------------ manifest and resume
-    def open(self, manifest: dict, marker: str = "data") -> int:
-        """Check or write the manifest; remove unfinished temporary files; return the completed shard count."""
+    def open(self, manifest: dict, marker: str = "data", count: bool = True) -> int | None:
+        """Check or write the manifest; remove unfinished temporary files; return the completed shard count
+        (``count=False``: not counted; a Ray run completes shards out of order, see :mod:`.on_ray`)."""
         self.fs.makedirs(self.root, exist_ok=True)
         if self.exists(MANIFEST):
             old = json.loads(self.read_bytes(MANIFEST))
@@ -102,7 +103,7 @@ class Store:
         for name in self.names():
             if _TMP in name:
                 self.fs.rm(self.path(name))
-        return self.completed(marker)
+        return self.completed(marker) if count else None
 
     def names(self) -> list:
         if not self.fs.exists(self.root):

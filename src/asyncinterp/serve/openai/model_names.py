@@ -35,7 +35,9 @@ The option syntax (``--edit NAME=SPEC``):
 * ``NAME=INTERVENTION`` or ``NAME=INTERVENTION:k=v,k=v`` — a registered intervention
   (built-in or from ``--interventions``) with fixed parameters; each value is
   read as JSON when it parses (``4``, ``true``, ``[0.1, 0.2]``), else as a string;
-* ``NAME=INTERVENTION:{"k": v}`` — the parameters as one JSON object.
+* ``NAME=INTERVENTION:{"k": v}`` — the parameters as one JSON object;
+* ``NAME=INTERVENTION:@FILE`` — that JSON object read from a file (a steering
+  vector saved by a harvest, docs/harvest.md).
 
 Edit and adapter names are 1-64 letters, digits, ``_``, ``-`` or ``.``.
 """
@@ -256,8 +258,17 @@ def parse_edit_option(text: str) -> tuple:
 
 
 def parse_params(text: str) -> dict:
-    """``k=v,k=v`` (values as JSON when they parse, commas inside brackets kept) or one JSON object."""
+    """``k=v,k=v`` (values as JSON when they parse, commas inside brackets kept), one JSON object, or
+    ``@FILE``: a file holding one JSON object."""
     text = text.strip()
+    if text.startswith("@"):
+        path = text[1:]
+        if not os.path.isfile(path):
+            raise ValueError(f"edit parameters {text!r}: no file {path!r} (write @PATH to a JSON object)")
+        with open(path) as fh:
+            text = fh.read().strip()
+        if not text.startswith("{"):
+            raise ValueError(f"edit parameters in {path!r} must be one JSON object")
     if text.startswith("{"):
         try:
             out = json.loads(text)
