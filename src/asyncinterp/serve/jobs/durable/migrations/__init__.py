@@ -33,3 +33,11 @@ def current(connection) -> str | None:
     """The store's revision (``None``: empty)."""
     from alembic.runtime.migration import MigrationContext
     return MigrationContext.configure(connection).get_current_revision()
+
+
+def head() -> str:
+    """The newest revision of the scripts (what :func:`upgrade` brings a store to)."""
+    from alembic.script import ScriptDirectory
+    cfg = Config()
+    cfg.set_main_option("script_location", str(HERE))
+    return ScriptDirectory.from_config(cfg).get_current_head()
