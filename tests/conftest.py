@@ -63,3 +63,15 @@ def _restore_grad_mode():
     enabled = torch.is_grad_enabled()
     yield
     torch.set_grad_enabled(enabled)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_left_connected():
+    """A test module that connected this process to Ray leaves it disconnected: a driver left behind keeps
+    Ray's background threads (stats, autoscaling) busy on the shared cores during later, timing-sensitive
+    tests."""
+    yield
+    import sys
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
