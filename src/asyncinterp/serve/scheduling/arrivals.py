@@ -8,9 +8,10 @@ parsed, tokenized, checked) but not yet handed to the front. This module
 counts those.
 
 The server opens an :class:`Arrival` when a request comes in (the HTTP
-middleware, or a worker process when a message arrives), in a context
+front's guard around each model request, ``Server.guarded``, or a worker
+process when a message arrives), in a context
 variable; the front closes it when the request is submitted
-(:func:`submitted`), and the middleware closes it in any case when the
+(:func:`submitted`), and the guard closes it in any case when the
 request ends, so a refused request never leaves a phantom arrival behind.
 """
 
