@@ -66,6 +66,7 @@ from ..scheduling.engine_front import front_for
 # the pool and the failures are their own modules; their names stay importable from here
 from .pool import TICK, Pool, WorkerHandle, reap  # noqa: F401
 from ..scheduling.submission import NO_ENVELOPE, Envelope, Submission
+from ..jobs.job_wire import served_job
 
 from ..scheduling.worker_failures import (Cause, RemoteFailure, WorkerCrashed, WorkerFailure, WorkerHung,
         WorkerOutOfMemory, WorkerOverran, WorkerUnavailable, cause_of_exit, failure_for)
@@ -374,11 +375,13 @@ class Supervisor(aio.Closable):
         # limits and the hard deadlines end every request well before
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
         if edits:
-            fields = dict(fields, edits=edits)
             pool.edits_installed(edits)
-        job = Submission.for_worker(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None),
-                                    timeout=timeout, budget=budget, guard=guard, stream=bool(fields.get("stream")),
-                                    envelope=envelope)
+        if kind != "session":   # the request as a job in the wire form: what the worker reads (job_wire.read_job)
+            generation = dict(fields["gen"], max_new_tokens=fields["max_new_tokens"]) if kind == "generate" else {}
+            specs = [{"edit": name} for name in edits] + ([spec.spec] if spec is not None else [])
+            fields = {"job": served_job(kind, input, specs, generation), "stream": fields.get("stream", False)}
+        job = Submission.for_worker(kind, fields, timeout=timeout, budget=budget, guard=guard,
+                                    stream=bool(fields.get("stream")), envelope=envelope)
         arrived()
         pool.submit(job)
         return job
