@@ -218,26 +218,6 @@ class Batcher(aio.Closable):
                                       Envelope(owner, meter, timeout, receipt, on_cancel))
         return GenerationStream(self, sub, self._deadline(timeout))
 
-    async def group(self, kind, invokes, *, timeout: float | None = None, on_cancel=None, meter=None,
-                    on_error: str = "stop", max_new_tokens: int | None = None, owner=None, receipt=None,
-                    **generate_kwargs) -> list:
-        """Run ``invokes`` (``(input, fns)`` or ``(input, fns, kwargs)``) as one job: the same forward, never split.
-
-        Returns one ``(ok, value)`` per invoke, in order; ``timeout``, ``on_cancel`` and ``meter`` cover the
-        whole job (``"generate"``: ``max_new_tokens`` and generation options).
-        """
-        sub = self._submission(kind, invokes, on_error, generate_kwargs, max_new_tokens, False, False,
-                               Envelope(owner, meter, timeout, receipt, on_cancel))
-        return await self._wait(sub, timeout)
-
-    def stream_group(self, kind, invokes, *, timeout: float | None = None, on_cancel=None, meter=None,
-                     on_error: str = "stop", max_new_tokens: int | None = None, owner=None, receipt=None,
-                     **generate_kwargs):
-        """Like :meth:`group`, as an async iterator of its invokes' events (tagged ``"invoke": i``), then done."""
-        sub = self._submission(kind, invokes, on_error, generate_kwargs, max_new_tokens, True, False,
-                               Envelope(owner, meter, timeout, receipt, on_cancel))
-        return GenerationStream(self, sub, self._deadline(timeout))
-
     def queue_size(self) -> int:
         return len(self._pending) + len(self._running)
 
@@ -446,7 +426,7 @@ class Batcher(aio.Closable):
                 cond.wait(deadline - now)
             batch = []
             keep = collections.deque()
-            size = 0   # invokes in the batch (a group is never split: it goes in whole or waits)
+            size = 0   # invokes in the batch (a submission is never split: it goes in whole or waits)
             for r in self._pending:
                 if r.state != "queued":
                     continue
@@ -498,16 +478,16 @@ class Batcher(aio.Closable):
         if generating:
             n_max = max(r.max_new_tokens for r in live)
             shared = {k: v for k, v in live[0].gen.items() if k != "seed"}   # (seeds are per request: SEEDS)
-            run = Trace(model, "generate", "continue", stop_per_invoke=True,
+            tr = Trace(model, "generate", "continue", stop_per_invoke=True,
                         generation=dict(shared, max_new_tokens=n_max))
-            seeds = run.context[SEEDS] = {}
+            seeds = tr.context[SEEDS] = {}
         else:
-            run = Trace(model, "trace", "continue", stop_per_invoke=True)
+            tr = Trace(model, "trace", "continue", stop_per_invoke=True)
         requests = {}
-        run.context[REQUESTS] = requests
+        tr.context[REQUESTS] = requests
         for r in [served for sub in live for served in sub.invokes]:
             try:
-                inv = run.invoke(r.input, *r.fns, **r.kwargs)
+                inv = tr.invoke(r.input, *r.fns, **r.kwargs)
             except Exception as exc:  # this request's input or intervention is invalid: only it fails
                 r.deliver(False, exc)
                 continue
@@ -518,18 +498,18 @@ class Batcher(aio.Closable):
         if not requests:
             return
         if generating:
-            run.invoke(None, _GenerationWatch(self, requests))
-        self._current = run
+            tr.invoke(None, _GenerationWatch(self, requests))
+        self._current = tr
         grad = any(getattr(fn, "needs_grad", False) for r in requests.values() for fn in r.fns)
         try:
             if grad:
                 with torch.enable_grad():   # gradient requests (their key keeps them among themselves)
-                    run.run()
+                    tr.run()
             elif self.no_grad:
                 with torch.no_grad():
-                    run.run()
+                    tr.run()
             else:
-                run.run()
+                tr.run()
         finally:
             self._current = None
         for r in requests.values():
