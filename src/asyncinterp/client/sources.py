@@ -12,34 +12,26 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-import threading
-from collections import OrderedDict
+
+from ..lru import LRU
 
 __all__ = ["parsed_source"]
 
-_SIZE = 256
-_lock = threading.Lock()
-_cache: OrderedDict = OrderedDict()    # code object -> (dedented source, its parsed module) or the error
+_cache = LRU(256)    # code object -> (dedented source, its parsed module) or the error
 
 
 def parsed_source(fn):
     """``(source, tree)`` of ``fn`` (dedented, parsed); raises ``OSError``/``TypeError``/``SyntaxError`` as
     ``inspect.getsource`` and ``ast.parse`` do (the same error again for the same code object)."""
     code = fn.__code__
-    with _lock:
-        hit = _cache.get(code)
-        if hit is not None:
-            _cache.move_to_end(code)
+    hit = _cache.get(code)
     if hit is None:
         try:
             source = textwrap.dedent(inspect.getsource(fn))
             hit = (source, ast.parse(source))
         except (OSError, TypeError, SyntaxError) as exc:
             hit = exc
-        with _lock:
-            _cache[code] = hit
-            while len(_cache) > _SIZE:
-                _cache.popitem(last=False)
+        hit = _cache.put(code, hit)
     if isinstance(hit, BaseException):
         raise hit
     return hit

@@ -12,12 +12,11 @@ from __future__ import annotations
 import ast
 import hashlib
 import linecache
-import threading
-from collections import OrderedDict
 
 import torch
 
 from ...client import policy
+from ...lru import LRU
 from .checker import check_source
 from .clock import Clock
 from .driver import Driven
@@ -108,20 +107,11 @@ class ProgramCache:
 
     def __init__(self, size: int = policy.PROGRAM_CACHE_SIZE):
         self.size = size
-        self._items = OrderedDict()
-        self._lock = threading.Lock()
+        self._items = LRU(size, on_evict=lambda _, prog: linecache.cache.pop(prog.filename, None))
 
     def get(self, source: str, entry: str | None = None) -> Program:
         key = (source, entry)
-        with self._lock:
-            prog = self._items.get(key)
-            if prog is not None:
-                self._items.move_to_end(key)
-                return prog
-        prog = Program(source, entry)
-        with self._lock:
-            self._items[key] = prog
-            while len(self._items) > self.size:
-                _, old = self._items.popitem(last=False)
-                linecache.cache.pop(old.filename, None)
+        prog = self._items.get(key)
+        if prog is None:
+            prog = self._items.put(key, Program(source, entry))
         return prog

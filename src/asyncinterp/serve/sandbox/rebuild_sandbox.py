@@ -20,13 +20,12 @@ as ``compile_source`` and wrap each entry point with :meth:`Sandboxed.entry`
 from __future__ import annotations
 
 import functools
-import threading
 import types
-from collections import OrderedDict
 
 import torch
 
 from ...client import policy
+from ...lru import LRU
 from ...kernel.futures import Future
 from .checker import check_source
 from .clock import Clock
@@ -104,28 +103,14 @@ class _CheckedSources:
     again is checked once (per process), not on every request. Bounded by count and by total source size."""
 
     def __init__(self, size: int = policy.PROGRAM_CACHE_SIZE, max_bytes: int = 16 << 20):
-        self.size, self.max_bytes = size, max_bytes
-        self.items = OrderedDict()
-        self.bytes = 0
-        self.lock = threading.Lock()
+        self.items = LRU(size, max_weight=max_bytes, weigh=lambda source, _: len(source))
 
     def get(self, source: str):
         """``(code, needs_grad)`` of ``source``: raises what :func:`check_source` raises for a refused one."""
-        with self.lock:
-            hit = self.items.get(source)
-            if hit is not None:
-                self.items.move_to_end(source)
-                return hit
-        tree = check_source(source)
-        grad = needs_grad(tree)
-        hit = (compile(instrument(tree), _UNFILED, "exec"), grad)
-        with self.lock:
-            if source not in self.items:
-                self.items[source] = hit
-                self.bytes += len(source)
-            while len(self.items) > self.size or self.bytes > self.max_bytes:
-                old, _ = self.items.popitem(last=False)
-                self.bytes -= len(old)
+        hit = self.items.get(source)
+        if hit is None:
+            tree = check_source(source)
+            hit = self.items.put(source, (compile(instrument(tree), _UNFILED, "exec"), needs_grad(tree)))
         return hit
 
 
