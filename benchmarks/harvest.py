@@ -103,7 +103,8 @@ def run_hooks(model_dir, work, out, batch, shard):
                     hf(rows[b0:b0 + batch])
                 except Stop:
                     pass
-                buf[b0:b0 + batch] = got["h"].numpy()
+                h = got["h"].numpy()
+                buf[b0:b0 + len(h)] = h       # the last batch of a shard may be short
             w = ArrowWriter(features=feats, path=os.path.join(out, f"data-{s0 // shard:05d}.arrow"))
             w.write_batch({POINT: buf[:len(rows)], "token_ids": rows.numpy().astype(np.int32)})
             w.finalize()
@@ -198,7 +199,7 @@ with torch.no_grad():
             with model.trace(rows[b0:b0 + batch]) as tracer:
                 h = model.model.layers[layer].output.save()
                 tracer.stop()
-            buf[b0:b0 + batch] = h.detach().numpy()
+            buf[b0:b0 + len(h)] = h.detach().numpy()
         np.save(os.path.join(out, f"data-{s0 // shard:05d}.npy"), buf[:len(rows)])
 took = time.perf_counter() - start
 print(json.dumps({"seconds": took, "tokens": n * t,
