@@ -44,7 +44,7 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     data = obj["job"]
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
                         copies=not server.supervised) if server.allow_code else None
-    job = await aio.to_thread(jobs_api.load_job, server, data, sandbox, timeout)
+    job = await jobs_api.load_job_async(server, data, sandbox, timeout)
     invokes, options = jobs_api.checked_job(server, job)
     total = options.get("max_new_tokens")
     if server.supervised:

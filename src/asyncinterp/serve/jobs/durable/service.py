@@ -131,11 +131,11 @@ class Durable:
         owner = self.owner(request)
         await quota_checks.check(store, owner, self.config.quotas)
         meta = {"label": label[:200]} if label else None
-        jid = await store.submit(NewJob(owner, kind, wire.packb(obj), timeout, returns, meta))
+        job = NewJob(owner, kind, wire.packb(obj), timeout, returns, meta)
+        jid = await store.submit(job)
         fields.update(kind=kind, job=jid, kept=True)
         self.runner.wake.set()
-        row = await store.get(jid, owner)
-        return JSONResponse(describe(row), status_code=202, headers={"Location": f"/v1/jobs/{jid}"})
+        return JSONResponse(describe(job.row()), status_code=202, headers={"Location": f"/v1/jobs/{jid}"})
 
     async def _check_job(self, obj):
         jobs_api.check_versions(obj)
@@ -145,7 +145,7 @@ class Durable:
         server, timeout = self.server, obj["timeout"]
         sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
                             copies=False) if server.allow_code else None
-        job = await aio.to_thread(jobs_api.load_job, server, data, sandbox, timeout)
+        job = await jobs_api.load_job_async(server, data, sandbox, timeout)
         jobs_api.checked_job(server, job)
 
     async def _check_session(self, obj):

@@ -79,6 +79,13 @@ class NewJob:
     returns: str = ""
     meta: dict | None = None
     id: str = dataclasses.field(default_factory=new_id)
+    created_at: float | None = None          # set when it is stored
+
+    def row(self) -> dict:
+        """Its row as stored (queued; the request aside): what a status of the new job shows."""
+        return dict(id=self.id, owner=self.owner, kind=self.kind, returns=self.returns, state=QUEUED,
+                    timeout=float(self.timeout), meta=self.meta, created_at=self.created_at, attempts=0,
+                    cancel_requested=False, result_bytes=0, compute_seconds=0.0)
 
 
 class JobStore:
@@ -104,6 +111,7 @@ class JobStore:
         url = database_url(database, state_dir)
         if url.startswith("sqlite"):
             engine = create_async_engine(url, connect_args={"timeout": 30})
+            sa.event.listen(engine.sync_engine, "connect", _sqlite_wal)
         else:
             engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
         if state_dir is None and not url.startswith("sqlite"):
@@ -158,11 +166,9 @@ class JobStore:
             request_path = f"requests/{job.id}.msgpack"
             await asyncio.to_thread(self._write, request_path, request)
             request = None
+        job.created_at = now
         async with self.engine.begin() as conn:
-            await conn.execute(jobs.insert().values(
-                id=job.id, owner=job.owner, kind=job.kind, returns=job.returns, state=QUEUED, request=request,
-                request_path=request_path, timeout=float(job.timeout), meta=job.meta, created_at=now,
-                attempts=0, cancel_requested=False, result_bytes=0, compute_seconds=0.0))
+            await conn.execute(jobs.insert().values(**job.row(), request=request, request_path=request_path))
         return job.id
 
     async def get(self, job_id: str, owner: str | None):
@@ -213,27 +219,26 @@ class JobStore:
         return None
 
     # ------------------------------------------------------------------ quotas' counts
-    async def count(self, owner: str, states) -> int:
-        q = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.state.in_(states))
-        async with self.engine.connect() as conn:
-            return int((await conn.execute(q)).scalar_one())
-
     async def usage(self, owner: str, since: float, now: float | None = None) -> dict:
-        """``owner``'s compute seconds since ``since`` (finished and still running jobs), the finish time of the
-        oldest of those finished jobs, and the bytes of the results it keeps with their earliest expiry."""
+        """What the quotas count of ``owner``, in one query: its ``queued`` jobs, its compute seconds since
+        ``since`` (finished and still running jobs) with the finish time of the oldest of those finished
+        jobs, and the bytes of the results it keeps with their earliest expiry."""
         now = time.time() if now is None else now
+        c = jobs.c
+        recent = c.finished_at >= since
+        running = c.state == RUNNING
+        live = sa.case((running & (c.started_at > since), now - c.started_at), (running, now - since), else_=0.0)
+        kept = c.result_bytes > 0
+        q = sa.select(sa.func.coalesce(sa.func.sum(sa.case((c.state == QUEUED, 1), else_=0)), 0),
+                      sa.func.coalesce(sa.func.sum(sa.case((recent, c.compute_seconds), else_=0.0)), 0.0),
+                      sa.func.coalesce(sa.func.sum(live), 0.0),
+                      sa.func.min(sa.case((recent, c.finished_at))),
+                      sa.func.coalesce(sa.func.sum(sa.case((kept, c.result_bytes), else_=0)), 0),
+                      sa.func.min(sa.case((kept, c.expires_at)))).where(c.owner == owner)
         async with self.engine.connect() as conn:
-            done = (await conn.execute(
-                sa.select(sa.func.coalesce(sa.func.sum(jobs.c.compute_seconds), 0.0), sa.func.min(jobs.c.finished_at))
-                .where(jobs.c.owner == owner, jobs.c.finished_at >= since))).one()
-            running = (await conn.execute(
-                sa.select(jobs.c.started_at).where(jobs.c.owner == owner, jobs.c.state == RUNNING))).scalars().all()
-            kept = (await conn.execute(
-                sa.select(sa.func.coalesce(sa.func.sum(jobs.c.result_bytes), 0), sa.func.min(jobs.c.expires_at))
-                .where(jobs.c.owner == owner, jobs.c.result_bytes > 0))).one()
-        live = sum(now - max(t or now, since) for t in running)
-        return {"compute_seconds": float(done[0]) + live, "oldest_finished": done[1],
-                "result_bytes": int(kept[0]), "next_expiry": kept[1]}
+            row = (await conn.execute(q)).one()
+        return {"queued": int(row[0]), "compute_seconds": float(row[1]) + float(row[2]), "oldest_finished": row[3],
+                "result_bytes": int(row[4]), "next_expiry": row[5]}
 
     # ------------------------------------------------------------------ running (the runner's side)
     async def claim(self, worker: str, lease: float, limit: int = 1, *, running_per_owner: int | None = None,
@@ -256,14 +261,27 @@ class JobStore:
                     sa.select(jobs.c.owner, sa.func.count()).where(jobs.c.owner.in_(owners), jobs.c.state == RUNNING,
                                                                   jobs.c.lease_until >= now)
                     .group_by(jobs.c.owner))).all())
+        queued, expired_ids = [], []
         for cand in candidates:
-            if len(taken) >= limit:
+            if len(queued) + len(expired_ids) >= limit:
                 break
-            if running_per_owner is not None and cand.state == QUEUED and busy.get(cand.owner, 0) >= running_per_owner:
-                continue
-            row = await self._take(cand.id, worker, lease, now)
+            if cand.state == QUEUED:
+                if running_per_owner is not None and busy.get(cand.owner, 0) >= running_per_owner:
+                    continue
+                busy[cand.owner] = busy.get(cand.owner, 0) + 1
+                queued.append(cand.id)
+            else:
+                expired_ids.append(cand.id)
+        if queued:      # one compare-and-set for all: a job another server took meanwhile is not returned
+            async with self.engine.begin() as conn:
+                taken = [dict(r) for r in (await conn.execute(
+                    jobs.update().where(jobs.c.id.in_(queued), jobs.c.state == QUEUED).values(
+                        state=RUNNING, lease_owner=worker, lease_until=now + lease, attempts=jobs.c.attempts + 1,
+                        started_at=now, progress=None).returning(*jobs.c))).mappings()]
+            taken.sort(key=lambda r: queued.index(r["id"]))
+        for job_id in expired_ids:          # rare (its server died): notes its restart, or ends it
+            row = await self._take(job_id, worker, lease, now)
             if row is not None:
-                busy[row["owner"]] = busy.get(row["owner"], 0) + 1
                 taken.append(row)
         return taken
 
@@ -408,6 +426,15 @@ class JobStore:
         if row.result_path:
             self._remove(row.result_path + ".safetensors", row.result_path + ".json")
         self._remove(row.request_path)
+
+
+def _sqlite_wal(dbapi_connection, _record) -> None:
+    """SQLite's write-ahead log: readers (status, quotas) never wait for a writer (a claim, an outcome), and a
+    commit is one append to the log, synced (``synchronous=FULL``: a 202 survives a power cut too)."""
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.close()
 
 
 def _error(type_: str, message: str, kind: str) -> dict:
