@@ -343,13 +343,16 @@ class JobStore:
                                                    jobs.c.state == RUNNING).values(progress=progress))
 
     async def finish(self, job_id: str, worker: str, state: str, *, result=None, error=None, status: int | None = None,
-                     ttl: float | None = None, now: float | None = None) -> bool:
-        """Write the outcome of ``worker``'s run (once: ``False`` when the run had lost its lease)."""
+                     ttl: float | None = None, progress: dict | None = None, now: float | None = None) -> bool:
+        """Write the outcome of ``worker``'s run (once: ``False`` when the run had lost its lease), with the
+        run's last ``progress`` when given."""
         now = time.time() if now is None else now
         if state not in FINAL:
             raise ValueError(f"a job finishes as one of {FINAL}, not {state!r}")
         values = dict(state=state, finished_at=now, lease_owner=None, lease_until=None, error=error,
                       status_code=status, expires_at=None if ttl is None else now + ttl)
+        if progress is not None:
+            values["progress"] = progress
         path = None
         if result is not None:
             text, blob = await asyncio.to_thread(results.encode, result)

@@ -139,7 +139,8 @@ async def _answer(server, db, record, lines, progress) -> dict:
             status, body, request_id = await answer(server, path, line.body)
             if await db.add_line(bid, line.index, status == 200, answer_line(line, status, body, request_id)):
                 counts["completed" if status == 200 else "failed"] += 1
-                progress({"completed": counts["completed"], "failed": counts["failed"], "of": len(lines)})
+                progress({"phase": "in_progress", "completed": counts["completed"], "failed": counts["failed"],
+                          "of": len(lines)})
 
     tasks = {asyncio.get_running_loop().create_task(one(line)) for line in lines if line.index not in done}
     status = "in_progress"
