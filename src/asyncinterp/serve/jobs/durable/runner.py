@@ -14,7 +14,7 @@ runner per server (per replica) in the server's event loop:
 * a job's progress (every kind reports one: :mod:`.kinds`) is pushed at once to the event streams of this
   process (:mod:`.changes`) and written to the store at most every :data:`PROGRESS_WRITE_S` (what a status
   request, or a stream on another replica, reads);
-* now and then it removes expired results.
+* now and then it removes expired results (and expired files: ``sweeps``).
 
 A server that dies leaves its jobs ``running`` with a lease that runs out; the next runner to claim
 them (this server restarted, or another replica) runs them again from their start.
@@ -46,7 +46,7 @@ class Runner:
     """Runs the kept jobs of one server (see the module docs)."""
 
     def __init__(self, server, store, *, lease: float = 15.0, concurrency: int = 8, ttl: float | None = None,
-                 running_per_owner: int | None = None, poll: float = 0.5):
+                 running_per_owner: int | None = None, poll: float = 0.5, sweeps=()):
         self.server = server
         self.store = store
         self.lease = float(lease)
@@ -54,6 +54,7 @@ class Runner:
         self.ttl = ttl
         self.running_per_owner = running_per_owner
         self.poll = float(poll)
+        self.sweeps = sweeps          # more to remove when it expires (files: serve/openai/batches)
         self.worker = f"{socket.gethostname()[:24]}-{os.getpid()}-{secrets.token_hex(4)}"
         self.tasks: dict[str, asyncio.Task] = {}
         self.stop_reason: dict[str, str] = {}
@@ -117,6 +118,8 @@ class Runner:
         while not self.closing:
             try:
                 await self.store.expire()
+                for sweep in self.sweeps:
+                    await sweep()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001

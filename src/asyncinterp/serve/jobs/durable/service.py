@@ -48,6 +48,7 @@ class DurableConfig:
     max_attempts: int = 3
     concurrency: int = 8
     ttl: float | None = 7 * 86400.0
+    file_ttl: float | None = 30 * 86400.0     # uploaded files and batch outputs (OpenAI's expires_after overrides)
     job_timeout: float | None = None          # a kept job's time limit (default: the server's --timeout)
     quotas: quota_checks.Quotas = dataclasses.field(default_factory=quota_checks.Quotas)
 
@@ -72,6 +73,7 @@ class Durable:
         self.store = None
         self.runner = None
         self.on_start, self.on_close = [], []   # async callables run once the store is open / before it closes
+        self.sweeps = []                          # async callables the runner calls with its sweep of expired results
 
     def routes(self) -> list:
         """The app's routes of kept jobs (:mod:`.routes`)."""
@@ -82,7 +84,7 @@ class Durable:
         self.store = await JobStore.open(self.config.database, self.config.state_dir)
         self.store.ttl, self.store.max_attempts = self.config.ttl, self.config.max_attempts
         self.runner = Runner(self.server, self.store, lease=self.config.lease, concurrency=self.config.concurrency,
-                             ttl=self.config.ttl, running_per_owner=self.config.quotas.running)
+                             ttl=self.config.ttl, running_per_owner=self.config.quotas.running, sweeps=self.sweeps)
         self.runner.start()
         for fn in self.on_start:
             await fn()
