@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 from ..errors import RequestFailed
 
@@ -45,7 +44,7 @@ def _refuse(name, message, retry_after) -> RequestFailed:
 
 async def check(store, owner: str, quotas: Quotas, now: float | None = None) -> None:
     """Refuse (429) a new job of ``owner`` that a quota does not allow."""
-    now = time.time() if now is None else now
+    now = store.now() if now is None else now
     if quotas.queued is None and quotas.compute_seconds_per_hour is None and quotas.result_bytes is None:
         return
     usage = await store.usage(owner, now - HOUR, now)       # one query

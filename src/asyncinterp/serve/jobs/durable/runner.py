@@ -102,6 +102,7 @@ class Runner:
         while not self.closing:
             await asyncio.sleep(self.lease / 3)
             try:
+                await self.store.sync_clock(max_age=self.store.CLOCK_SYNC_S)   # leases on the database's clock
                 states = await self.store.heartbeat(self.worker, list(self.tasks), self.lease)
             except asyncio.CancelledError:
                 raise

@@ -96,11 +96,38 @@ class JobStore:
     #: runs a job may start; one whose server died that many times while running it fails (it may be the cause)
     max_attempts: int = 3
 
+    #: how often (seconds) a shared database's clock is read again (:meth:`sync_clock`)
+    CLOCK_SYNC_S = 60.0
+
     def __init__(self, engine, state_dir, inline_bytes: int = INLINE_BYTES):
         self.engine = engine
         self.state_dir = pathlib.Path(state_dir) if state_dir is not None else None
         self.inline_bytes = int(inline_bytes)
         self.dialect = engine.dialect.name
+        self.clock = time.time          # this server's clock ...
+        self.offset = 0.0               # ... and how far the database's is ahead of it (sync_clock)
+        self.synced = None              # when (time.monotonic()) the offset was measured
+
+    def now(self) -> float:
+        """The store's time (Unix seconds): the database's clock, as measured by :meth:`sync_clock`. Every
+        time the store writes or compares (leases above all) is on it, so replicas whose own clocks disagree
+        still agree on when a lease runs out."""
+        return self.clock() + self.offset
+
+    async def sync_clock(self, max_age: float | None = None) -> float:
+        """Measure how far the database's clock is from this server's (``now()`` read through SQLAlchemy,
+        halfway through the round trip); again only when the last measure is older than ``max_age``. An
+        embedded SQLite database is on this host: its clock is this server's (offset 0). The offset."""
+        if self.dialect == "sqlite":
+            return 0.0
+        if max_age is not None and self.synced is not None and time.monotonic() - self.synced < max_age:
+            return self.offset
+        async with self.engine.connect() as conn:
+            t0 = self.clock()
+            db = (await conn.execute(sa.select(sa.extract("epoch", sa.func.now())))).scalar_one()
+            t1 = self.clock()
+        self.offset, self.synced = float(db) - (t0 + t1) / 2, time.monotonic()
+        return self.offset
 
     @classmethod
     async def open(cls, database: str | None = None, state_dir=None, *, inline_bytes: int = INLINE_BYTES,
@@ -118,6 +145,7 @@ class JobStore:
             inline_bytes = 1 << 62     # no directory: everything in the database
         store = cls(engine, state_dir, inline_bytes)
         await store.migrate()
+        await store.sync_clock()
         return store
 
     async def migrate(self, attempts: int = 5) -> None:
@@ -160,7 +188,7 @@ class JobStore:
     # ------------------------------------------------------------------ submitting and reading
     async def submit(self, job: NewJob, now: float | None = None) -> str:
         """Store a new queued job; its id."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         request, request_path = job.request, None
         if len(request) > self.inline_bytes and self.state_dir is not None:
             request_path = f"requests/{job.id}.msgpack"
@@ -223,7 +251,7 @@ class JobStore:
         """What the quotas count of ``owner``, in one query: its ``queued`` jobs, its compute seconds since
         ``since`` (finished and still running jobs) with the finish time of the oldest of those finished
         jobs, and the bytes of the results it keeps with their earliest expiry."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         c = jobs.c
         recent = c.finished_at >= since
         running = c.state == RUNNING
@@ -247,7 +275,7 @@ class JobStore:
         expired. Each is a compare-and-set: of two servers claiming one job, one wins. A job cancelled while
         its server was gone ends as cancelled here instead of running again. ``running_per_owner``: skip
         the jobs of an owner that already runs that many."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         expired = sa.and_(jobs.c.state == RUNNING, jobs.c.lease_until < now)
         q = sa.select(jobs.c.id, jobs.c.owner, jobs.c.state).where(sa.or_(jobs.c.state == QUEUED, expired)) \
             .order_by(jobs.c.created_at, jobs.c.id).limit(max(limit * 4, 8))
@@ -322,7 +350,7 @@ class JobStore:
 
     async def heartbeat(self, worker: str, ids, lease: float, now: float | None = None) -> dict:
         """Renew ``worker``'s leases on ``ids``; ``{id: "ok" | "cancel" | "lost"}`` (lost: not its job any more)."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         ids = list(ids)
         if not ids:
             return {}
@@ -346,7 +374,7 @@ class JobStore:
                      ttl: float | None = None, progress: dict | None = None, now: float | None = None) -> bool:
         """Write the outcome of ``worker``'s run (once: ``False`` when the run had lost its lease), with the
         run's last ``progress`` when given."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         if state not in FINAL:
             raise ValueError(f"a job finishes as one of {FINAL}, not {state!r}")
         values = dict(state=state, finished_at=now, lease_owner=None, lease_until=None, error=error,
@@ -389,7 +417,7 @@ class JobStore:
     async def cancel(self, job_id: str, owner: str | None, now: float | None = None) -> str | None:
         """Cancel: a queued job ends as cancelled now (it never runs); a running one is asked to stop (its server
         stops it at its next hook point and ends it as cancelled). The state after it (``None``: no such job)."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         mine = [jobs.c.id == job_id] + ([jobs.c.owner == owner] if owner is not None else [])
         async with self.engine.begin() as conn:
             done = await conn.execute(jobs.update().where(*mine, jobs.c.state == QUEUED).values(
@@ -416,7 +444,7 @@ class JobStore:
 
     async def expire(self, now: float | None = None) -> int:
         """Remove the finished jobs whose results expired; how many."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         gone = jobs.c.expires_at < now
         async with self.engine.begin() as conn:
             rows = (await conn.execute(sa.select(jobs.c.result_path, jobs.c.request_path).where(gone))).all()
