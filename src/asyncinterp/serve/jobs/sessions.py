@@ -45,6 +45,7 @@ from ...client import wire
 from .durable.hook import submit_kept
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
+from ..sandbox.checker import AST_LOCK
 from ..sandbox.rebuild import DescriptionRefused, DescriptionTooLarge, check_size, intervention, rebuild
 from ..sandbox.rebuild_sandbox import Sandboxed
 from ..sandbox import SandboxRefused
@@ -168,7 +169,9 @@ def _uses_gradients(description) -> bool:
     import ast
     for entry in description.get("functions") or []:
         try:
-            if needs_grad(ast.parse(entry.get("source") or "")):
+            with AST_LOCK:
+                tree = ast.parse(entry.get("source") or "")
+            if needs_grad(tree):
                 return True
         except SyntaxError:
             return False     # rebuild refuses it with the reason

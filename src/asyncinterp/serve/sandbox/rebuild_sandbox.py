@@ -28,7 +28,7 @@ import torch
 
 from ...client import policy
 from ...kernel.futures import Future
-from .checker import check_source
+from .checker import AST_LOCK, check_source
 from .clock import Clock
 from .driver import Driven
 from .envoys import SafeEnvoy, setpoint
@@ -118,7 +118,8 @@ class _CheckedSources:
                 return hit
         tree = check_source(source)
         grad = needs_grad(tree)
-        hit = (compile(instrument(tree), _UNFILED, "exec"), grad)
+        with AST_LOCK:
+            hit = (compile(instrument(tree), _UNFILED, "exec"), grad)
         with self.lock:
             if source not in self.items:
                 self.items[source] = hit
