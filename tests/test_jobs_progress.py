@@ -9,7 +9,9 @@ the store. Through the real HTTP API:
 * a session counts its traces as they finish (``traces``, ``done``), up to all of them;
 * the event stream of a session running in this process shows its progress as it happens (many
   ``status`` events, counts rising) while reading the store only when the job is claimed and when it ends
-  (a poll every 0.25 s would read it a dozen times a second).
+  (a poll every 0.25 s would read it a dozen times a second);
+* a stream of a job that another replica runs (a shared PostgreSQL, nothing pushed here) reads the store
+  and shows each of its changes.
 """
 
 import json
@@ -110,3 +112,52 @@ def test_a_session_counts_its_traces_and_its_stream_is_pushed(live):
     # pushed: the stream read the store when the job was claimed and when it ended (and once per 5 s at most
     # besides), never every 0.25 s
     assert took > 1.0 and len(reads) <= 3 + took / 5, (len(reads), took)
+
+
+def test_a_stream_reads_the_store_for_a_job_another_replica_runs(tmp_path, one_thread):
+    # two replicas on one PostgreSQL: this server (which runs no jobs itself: --job-concurrency 0) streams a job
+    # that "another replica" (a second store on the same database) claims, reports progress on and finishes.
+    # Nothing is pushed here, so the stream polls the store, and shows each change.
+    import asyncio
+    import threading
+
+    from asyncinterp.serve.jobs.durable.store import JobStore
+    from pg_helpers import PostgresServer
+
+    async def last_token(m):
+        return (await m.transformer.h[0].output)[0][:, -1]
+
+    with PostgresServer() as pg:
+        server = Server(tiny("gpt2"), api_keys=[KEY], allow_code=True, timeout=60)
+        server.durable = Durable(server, DurableConfig(database=pg.url, concurrency=0))
+        live = Live(server)
+        try:
+            job = ai.remote(live.url, api_key=KEY).trace("The Eiffel Tower is in", last_token, blocking=False)
+            events = []
+
+            def read():
+                with httpx.stream("GET", f"{live.url}/v1/jobs/{job.id}/events",
+                                  headers={"authorization": f"Bearer {KEY}"}, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(json.loads(line[6:]))
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+
+            async def other_replica():
+                store = await JobStore.open(pg.url)
+                while not events:
+                    await asyncio.sleep(0.05)
+                [row] = await store.claim("other-replica", 30.0)
+                await asyncio.sleep(0.6)
+                await store.set_progress(row["id"], "other-replica", {"phase": "forward", "invokes": 1})
+                await asyncio.sleep(0.6)
+                await store.finish(row["id"], "other-replica", "succeeded", result={"ok": True, "results": []})
+                await store.close()
+            asyncio.run(other_replica())
+            reader.join(30)
+        finally:
+            live.close()
+    assert [(e["state"], e["progress"]) for e in events] == [
+        ("queued", None), ("running", None), ("running", {"phase": "forward", "invokes": 1}),
+        ("succeeded", {"phase": "forward", "invokes": 1})]
