@@ -44,6 +44,20 @@ def test_serving_doc_session(model):
         assert "scale" in server.interventions
         results = asyncio.run(ns["main"](model))
         assert len(results) == 100 and all(isinstance(r, torch.Tensor) for r in results)
+
+        async def read(m):
+            return (await m.lm_head.output)[:, -1].clone()
+
+        async def job_of_two():   # the page's job goes to the front as it is, and answers as locally
+            from asyncinterp.serve import Batcher
+            async with Batcher(model) as batcher:
+                return await ns["two_reads"](batcher, read)
+        outcomes = asyncio.run(job_of_two())
+        with model.trace() as tr:
+            a, b = tr.invoke("The cat sat on the", read), tr.invoke("Paris is the", read)
+        assert [ok for ok, _ in outcomes] == [True, True]
+        assert torch.allclose(outcomes[0][1], a.result, atol=1e-5)
+        assert torch.allclose(outcomes[1][1], b.result, atol=1e-5)
     finally:
         live.close()
 

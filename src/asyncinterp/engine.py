@@ -13,7 +13,7 @@ engine                        where
 ``VisionGenerateEngine``      its generation (``models.hf.vision``)
 ``VLLMEngine``                a job joining the live vLLM engine loop (``models.vllm``)
 ``ScanEngine``                any engine's forward with fake tensors (``tools.scan``)
-serving fronts                a batch of requests coalesced into one job (``serve.batcher``)
+``Batcher`` (serving front)    submissions coalesced into one job (``serve.scheduling.batcher``)
 ============================  ===============================================================
 
 An engine does two things. :meth:`Engine.make_invoke` checks one invoke while

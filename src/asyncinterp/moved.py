@@ -8,8 +8,8 @@ the old name with the module at its new place, the very same module object, so
 ``import asyncinterp.envoy as e; e.Envoy is asyncinterp.Envoy`` both hold.
 Importing the new module happens only when the old name is imported.
 
-Names that were renamed inside a module (``VLLMRun`` is ``LiveJob``, the supervisor's ``Job`` is a
-``Ticket``) are in :data:`RENAMED`, the compatibility table: the module answers an old name through
+Names that were renamed inside a module (``VLLMRun`` is ``LiveJob``, the supervisor's ``Job`` and the
+batcher's ``Request`` are a ``Submission``) are in :data:`RENAMED`, the compatibility table: the module answers an old name through
 its module-level ``__getattr__`` (:func:`old_name`), silently, so old imports keep working while the
 code, tests and docs use only the one true name. An old name is never bound inside a module.
 """
@@ -93,7 +93,8 @@ MOVED = {
     "asyncinterp.serve.source_lines": "asyncinterp.serve.sandbox.source_lines",
     "asyncinterp.serve.batcher": "asyncinterp.serve.scheduling.batcher",
     "asyncinterp.serve.requests": "asyncinterp.serve.scheduling.requests",
-    "asyncinterp.serve.groups": "asyncinterp.serve.scheduling.groups",
+    "asyncinterp.serve.groups": "asyncinterp.serve.scheduling.submission",
+    "asyncinterp.serve.scheduling.groups": "asyncinterp.serve.scheduling.submission",
     "asyncinterp.serve.engine_front": "asyncinterp.serve.scheduling.engine_front",
     "asyncinterp.serve.params": "asyncinterp.serve.scheduling.params",
     "asyncinterp.serve.builtins": "asyncinterp.serve.scheduling.builtins",
@@ -107,7 +108,12 @@ RENAMED = {
     "asyncinterp.models.vllm": {"VLLMRun": "asyncinterp.models.vllm.jobs:LiveJob"},
     "asyncinterp.models.vllm.driver": {"VLLMRun": "asyncinterp.models.vllm.jobs:LiveJob"},
     # a request tracked across worker processes, before ``asyncinterp.Job`` meant the description of the work
-    "asyncinterp.serve.workers.supervisor": {"Job": "asyncinterp.serve.workers.pool:Ticket"},
+    "asyncinterp.serve.workers.supervisor": {"Job": "asyncinterp.serve.scheduling.submission:Submission"},
+    # one submission type replaced the request, the group and its members, and the worker pool's ticket (issue 30)
+    "asyncinterp.serve.scheduling.requests": {"Request": "asyncinterp.serve.scheduling.submission:Submission"},
+    "asyncinterp.serve.scheduling.submission": {"Group": "asyncinterp.serve.scheduling.submission:Submission",
+                                                "Member": "asyncinterp.serve.scheduling.submission:ServedInvoke"},
+    "asyncinterp.serve.workers.pool": {"Ticket": "asyncinterp.serve.scheduling.submission:Submission"},
     # the ranks of a tensor-parallel launch on Ray ("job" means the description of the work)
     "asyncinterp.distributed.ray_ranks": {"RayJob": "asyncinterp.distributed.ray_ranks:RayLaunched"},
     # the scan's execution, before jobs and engines

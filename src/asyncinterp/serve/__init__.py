@@ -1,7 +1,9 @@
 """Serving: many concurrent requests, each with its own intervention, coalesced into shared forward passes.
 
 * :class:`Batcher` — in process: ``await batcher.trace(prompt, fn)`` from many
-  tasks; requests that arrive together run as invokes of one forward.
+  tasks; requests that arrive together run as invokes of one forward. It is
+  an engine: ``batcher.start(job, Envelope(...))`` takes a whole job and
+  returns its :class:`Submission` (the one unit of serving).
 * :class:`Server` — the Starlette app (``server.app``) with named, typed
   interventions (``@server.intervention("steer")``) and, behind a flag,
   client-submitted source run in a restricted sandbox.
@@ -28,6 +30,9 @@ def __getattr__(name):
         from .scheduling import batcher
         return getattr(batcher, name)
     # the HTTP parts need starlette/httpx (the `serve` extra): imported on first use
+    if name in ("Submission", "Envelope"):
+        from .scheduling import submission
+        return getattr(submission, name)
     if name in ("Param", "Range", "MaxLen", "ModulePath"):
         from .scheduling import params
         return getattr(params, name)
@@ -43,6 +48,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'asyncinterp.serve' has no attribute {name!r}")
 
 
-__all__ = ["AsyncClient", "Batcher", "BatcherClosed", "BatcherFull", "Client", "GenerateResult", "MaxLen",
-           "ModulePath", "Param", "Range", "RemoteError", "Server", "WireError",
+__all__ = ["AsyncClient", "Batcher", "BatcherClosed", "BatcherFull", "Client", "Envelope", "GenerateResult", "MaxLen",
+           "ModulePath", "Param", "Range", "RemoteError", "Server", "Submission", "WireError",
            "dry_run", "emit"]

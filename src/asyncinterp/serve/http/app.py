@@ -16,8 +16,7 @@ Endpoints (POST bodies and answers are msgpack, see :mod:`.wire`; GETs answer JS
 * ``POST /v1/generate`` — ``{"input", "intervention"?, "max_new_tokens", "stream"?, "timeout"?}`` →
   ``{"ok": true, "result", "tokens", "text", "emitted"}``, or with ``"stream": true`` a stream of
   msgpack maps: ``token`` and ``emit`` events as they are produced, then ``done`` (or ``error``);
-* ``POST /v1/sessions`` — a captured ``async def session(model)`` run on the server as one job
-  (:mod:`.sessions`; only when the server allows code);
+* ``POST /v1/sessions`` — a captured ``async def session(model)`` run as one job (:mod:`.sessions`; with code);
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
   (JSON, server-sent events when streaming; shapes in :mod:`..openai.openai_compat`, vLLM's sampling fields in
   :mod:`.sampling_fields`, logprobs and echo in :mod:`.logprobs`, several choices in
@@ -35,9 +34,8 @@ Statuses: 200 ok; 400 malformed body, invalid parameters, refused code; 401
 missing or wrong API key; 404/405 unknown route; 413 body too large; 422 the
 intervention raised (the error's type, message and own traceback lines come
 back); 503 queue full (with ``Retry-After``); 504 the request's time limit (extended by the time other
-requests' submitted code held the worker) or its submitted code's compute budget.
-Every request is logged as one structured record on the
-``asyncinterp.serve`` logger.
+requests' submitted code held the worker) or its submitted code's compute budget. Every request is logged
+as one structured record on the ``asyncinterp.serve`` logger.
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ from starlette.routing import Route
 
 from ... import aio
 from ...client import wire
-from ..jobs import errors, jobs_api, sessions
+from ..jobs import errors, jobs_api, owners, sessions
 from ..jobs.errors import RequestFailed
 from ..openai import batches as openai_batches, choices, model_names, openai_compat, receipts, structured, tokenize_api
 from ..openai import logprobs as logprob_fields
@@ -536,8 +534,9 @@ class Server:
             timeout = self._timeout(obj)
             fn, on_cancel, label, meter = self._intervention(obj.get("intervention"), timeout)
             fields["intervention"] = label
-            call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel, meter=meter)
             receipt = self.receipts.make(self.name, None, obj.get("intervention"), None, ("trace", x))
+            call = functools.partial(self.batcher.trace, x, fn, timeout=timeout, on_cancel=on_cancel, meter=meter,
+                                     owner=owners.owner(self, request), receipt=receipt)
             return await self._respond(request, fields, call,
                                        lambda value: {"ok": True, "result": value, "receipt": receipt})
         return await self._guarded(request, "trace", work)
@@ -562,17 +561,17 @@ class Server:
             fields["max_new_tokens"] = n
             fns = (fn,) if fn is not None else ()
             receipt = self.receipts.make(self.name, None, obj.get("intervention"), None, ("generate", x, n))
+            envelope = dict(timeout=timeout, on_cancel=on_cancel, meter=meter, owner=owners.owner(self, request),
+                            receipt=receipt)
             if stream:
                 try:
-                    events = self.batcher.stream_generate(x, *fns, max_new_tokens=n, timeout=timeout,
-                                                          on_cancel=on_cancel, meter=meter)
+                    events = self.batcher.stream_generate(x, *fns, max_new_tokens=n, **envelope)
                 except BatcherFull as exc:
                     raise errors.failure(exc) from None
                 fields["stream"] = True
                 return StreamingResponse(self._stream(events, functools.partial(_msgpack_event, receipt=receipt)),
                                          media_type=MSGPACK_STREAM)
-            call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, timeout=timeout,
-                                     on_cancel=on_cancel, meter=meter)
+            call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, **envelope)
 
             def answer(g):
                 return {"ok": True, "result": g.result, "tokens": g.tokens, "text": g.text,
@@ -731,13 +730,14 @@ class Server:
             receipt = self.receipts.make(req.model, selection, req.intervention, generate.get("seed"),
                                          (req.kind, prompt, n, {**generate, **engine_options}, req.fields, req.stop))
             return choices.shaper(self, req, prompt, n, length, fn is not None, receipt, len(selection.edits), ids)
+        envelope = dict(timeout=timeout, on_cancel=on_cancel, meter=meter, owner=owners.owner(self, request))
         if len(inputs) > 1 or req.n > 1:
             return await choices.respond(self, request, fields, req, inputs, fns, make_shaper, scope,
-                                         dict(timeout=timeout, on_cancel=on_cancel, meter=meter, **engine_options))
+                                         dict(envelope, **engine_options))
         prompt, x, length, n = inputs[0]
         shaper = make_shaper(prompt, n, length, req.generate, x)
         x = self.front.generation_input(x, req.cache_salt, scope)
-        options = dict(max_new_tokens=n, timeout=timeout, on_cancel=on_cancel, meter=meter,
+        options = dict(max_new_tokens=n, receipt=getattr(shaper, "receipt", None), **envelope,
                        **{**req.generate, **engine_options})
         if req.stream:
             try:

@@ -40,7 +40,7 @@ from ...client.cache_wire import build_cache
 from ...client.job_form import JOB_FORMAT, Named, dumps_job  # noqa: F401
 from ..sandbox.rebuild import DescriptionRefused, intervention, rebuild
 
-__all__ = ["JOB_FORMAT", "JobParts", "Named", "dumps_job", "loads_job", "read_job"]
+__all__ = ["JOB_FORMAT", "JobParts", "Named", "dumps_job", "loads_job", "read_job", "served_job"]
 
 
 class JobParts(NamedTuple):
@@ -71,10 +71,21 @@ def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMI
         raise wire.WireError(str(exc)) from None
 
 
+def served_job(kind: str, input, fns, generation=None) -> bytes:
+    """One served request as a job in the wire form, its interventions as the server checked them: a registered
+    one's ``{"name", "params"}``, submitted code's self-contained ``{"source", "entry", "params"}``, a named
+    edit's ``{"edit": name}``. What a supervised server sends a worker process for a native or OpenAI request
+    (a remote job travels as its client wrote it); :func:`read_job` reads both."""
+    return wire.packb({"format": JOB_FORMAT, "kind": kind, "on_error": "stop", "stop_per_invoke": False,
+                       "generation": dict(generation or {}), "context": {}, "capture": None,
+                       "invokes": [{"input": input, "fns": list(fns), "kwargs": {}, "options": {}, "background": False}]})
+
+
 def read_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
-             compile_source=None, named=None) -> JobParts:
+             compile_source=None, named=None, edit=None) -> JobParts:
     """What :func:`loads_job` reads, without making a :class:`~asyncinterp.job.Job` of it: a server hands the parts
-    to its front, which runs them in the one job of their batch (one ``Job`` per process, issue 30)."""
+    to its front, which runs them in the one job of their batch (one ``Job`` per process, issue 30).
+    ``edit(name)``: the function of a named edit (``{"edit": name}``, see :func:`served_job`)."""
     body = wire.unpackb(data, limits)
     if not isinstance(body, dict) or body.get("format") != JOB_FORMAT:
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
@@ -94,6 +105,8 @@ def read_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMIT
         compile = _self_contained(compile)
     if named is not None:
         compile = _or_named(compile, named)
+    if edit is not None:
+        compile = _or_edit(compile, edit)
     compile = _or_cache(compile)
     specs = []
     for i, item in enumerate(_list(body, "invokes")):
@@ -117,6 +130,15 @@ def _or_cache(compile):
             return build_cache(spec["cache"])
         return compile(spec)
     return compile_or_cache
+
+
+def _or_edit(compile, edit):
+    """``edit(name)`` for a named edit (``{"edit": name}``), ``compile(spec)`` for the rest."""
+    def compile_or_edit(spec):
+        if isinstance(spec, dict) and "edit" in spec and "function" not in spec:
+            return edit(spec["edit"])
+        return compile(spec)
+    return compile_or_edit
 
 
 def _or_named(compile, named):

@@ -37,12 +37,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ... import aio
-from . import errors
+from . import errors, owners
 from ...client import wire
 from ...client.cache_wire import recorded_of
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
-from .job_wire import read_job
+from .job_wire import JobParts, read_job
+from ...job import InvokeSpec
+from ..scheduling.submission import Envelope
 from .durable.hook import submit_kept
 from ...client.protocol import incompatible, versions
 from ..scheduling.requests import Meter
@@ -92,19 +94,20 @@ async def _jobs(server, request):
         # a small job is checked here (a source seen before is checked once per process: well under a
         # millisecond); a large one in a thread, so that the event loop (health checks, other requests) stays free
         job = await load_job_async(server, data, sandbox, timeout)
-        invokes, options = _checked(server, job)
-        fields.update(kind=job.kind, invokes=len(invokes), intervention="job")
+        checked = _checked(server, job)
+        fields.update(kind=job.kind, invokes=len(checked.invokes), intervention="job")
         if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
             code = _has_code(job)
-            inputs = _tokenized(job, invokes)   # the prompts as tokenized here: the worker does not again
+            inputs = _tokenized(job, checked)   # the prompts as tokenized here: the worker does not again
+            envelope = dict(timeout=timeout, inputs=inputs, owner=owners.owner(server, request))
             if stream:
                 try:
-                    events = server.batcher.stream_job(data, code=code, timeout=timeout, inputs=inputs)
+                    events = server.batcher.stream_job(data, code=code, **envelope)
                 except Exception as exc:  # noqa: BLE001
                     raise errors.failure(exc) from None
                 fields["stream"] = True
                 return StreamingResponse(server.stream_events(events, _worker_event), media_type=MSGPACK_STREAM)
-            call = functools.partial(server.batcher.job, data, code=code, timeout=timeout, inputs=inputs)
+            call = functools.partial(server.batcher.job, data, code=code, **envelope)
             return await server.respond(request, fields, call, lambda results: {"ok": True, "results": results})
         meter = on_cancel = None
         if sandbox is not None:
@@ -112,16 +115,18 @@ async def _jobs(server, request):
 
             def on_cancel():
                 sandbox.clock.cancelled = True
-        kwargs = dict(timeout=timeout, on_cancel=on_cancel, meter=meter, on_error=job.on_error, **options)
+        envelope = Envelope(owners.owner(server, request), meter, timeout, None, on_cancel)
         if stream:
             try:
-                events = server.batcher.stream_group(job.kind, invokes, **kwargs)
+                events = server.batcher.events(server.batcher.start(checked, envelope, stream=True), timeout)
             except Exception as exc:  # noqa: BLE001 - BatcherFull and friends: the error table answers
                 raise errors.failure(exc) from None
             fields["stream"] = True
             encode = functools.partial(_event, job.kind)
             return StreamingResponse(server.stream_events(events, encode), media_type=MSGPACK_STREAM)
-        call = functools.partial(server.batcher.group, job.kind, invokes, **kwargs)
+
+        async def call():
+            return await server.batcher.answer(server.batcher.start(checked, envelope), timeout)
         return await server.respond(request, fields, call, lambda outcomes: _answer(job.kind, outcomes))
     return await server.guarded(request, "job", work)
 
@@ -144,17 +149,17 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
         if server.allow_code else None
     job = _load(server, msg["job"], sandbox, timeout)
-    invokes, options = _checked(server, job, msg.get("inputs"))
+    checked = _checked(server, job, msg.get("inputs"))
     meter = sandbox.clock if sandbox is not None else Meter()
     worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
     on_cancel = None
     if sandbox is not None:
         def on_cancel():
             sandbox.clock.cancelled = True
-    kwargs = dict(timeout=timeout, on_cancel=on_cancel, meter=meter, on_error=job.on_error, **options)
+    envelope = Envelope(None, meter, timeout, None, on_cancel)
     try:
         if msg.get("stream"):
-            events = worker.batcher.stream_group(job.kind, invokes, **kwargs)
+            events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True), timeout)
             try:
                 async for ev in events:
                     if ev["event"] == "done":
@@ -164,7 +169,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
             finally:
                 await events.aclose()
         else:
-            outcomes = await worker.batcher.group(job.kind, invokes, **kwargs)
+            outcomes = await worker.batcher.answer(worker.batcher.start(checked, envelope), timeout)
     finally:
         worker.tags.pop(meter, None)
     return {"t": "done", "id": jid, "ok": True, "value": _outcomes(job.kind, outcomes)}
@@ -215,15 +220,16 @@ async def load_job_async(server, data, sandbox, timeout):
     return await aio.to_thread(_load, server, data, sandbox, timeout)
 
 
-def _tokenized(job, invokes) -> list:
+def _tokenized(job, checked) -> list:
     """For a worker process: each invoke's prompts as this process tokenized them (``None``: its input as sent)."""
     def text(value):
         return isinstance(value, str) or isinstance(value, list) and any(isinstance(v, str) for v in value)
-    return [x if text(spec.input) else None for spec, (x, _, _) in zip(job.invokes, invokes)]
+    return [mine.input if text(spec.input) else None for spec, mine in zip(job.invokes, checked.invokes)]
 
 
-def _checked(server, job, tokenized=None):
-    """``(invokes, options)`` for the batcher: every invoke's input checked, the job's options refused or kept.
+def _checked(server, job, tokenized=None) -> JobParts:
+    """The job as the front takes it (:meth:`~asyncinterp.serve.scheduling.batcher.Batcher.start`): every invoke's
+    input checked (prompts tokenized), the job's options refused or kept (a generation's, with max_new_tokens).
 
     ``tokenized``: the prompts as the server's main process checked and tokenized them (:func:`_tokenized`),
     which a worker process takes instead of tokenizing them again."""
@@ -267,10 +273,10 @@ def _checked(server, job, tokenized=None):
                 fail.error["message"] = f"invoke {i}: {fail.error['message']}"
                 raise
             longest = max(longest, length)
-        invokes.append((x, spec.fns, kwargs))
-    if all(x is None for x, _, _ in invokes):
+        invokes.append(InvokeSpec(x, spec.fns, kwargs))
+    if all(spec.input is None for spec in invokes):
         raise RequestFailed("request", "every invoke of this job has no input: give at least one an input")
-    rows = sum(_rows(x) for x, _, _ in invokes if x is not None)
+    rows = sum(_rows(spec.input) for spec in invokes if spec.input is not None)
     if rows > max_batch:
         raise RequestFailed("too_large", f"this job's inputs have {rows} rows; this server runs at most "
                                          f"max_batch={max_batch} in one forward: split it into several jobs")
@@ -282,7 +288,7 @@ def _checked(server, job, tokenized=None):
         for key, value in gen.items():
             _check_generation_option(key, value, gen)
         options = dict(gen, max_new_tokens=max_new)
-    return invokes, options
+    return JobParts(tuple(invokes), job.kind, job.on_error, False, options, {})
 
 
 def _check_generation_option(key, value, gen) -> None:

@@ -60,6 +60,7 @@ async def respond(server, request, fields, req, inputs, fns, make_shaper, scope,
                 sh = make_shaper(prompt, n, length, seed_for(req.generate, sample), ids)
                 sh.index, sh.prompt_key = len(shapers), p
                 streams.append(server.batcher.stream_generate(x, *fns, max_new_tokens=n,
+                                                              receipt=getattr(sh, "receipt", None),
                                                               **{**seed_for(req.generate, sample), **options}))
                 shapers.append(sh)
     except BatcherFull as exc:

@@ -5,11 +5,11 @@ The command the user types starts N rank processes with the launcher
 for them. Every rank loads the model directory with transformers' own plan
 (``tp_plan="auto"``, gloo) and the same server configuration (registered
 interventions included). Rank 0 serves HTTP as usual. Before its batcher runs
-a batch of requests, it posts what the batch is — per request: kind, input,
-keyword arguments, generation options, and each intervention as its
-``{"name", "params"}`` — to the group's key-value store (msgpack, no pickle).
-The other ranks follow: they read each batch, bind the same registered
-interventions and run the same batch through their own batcher, so every
+a batch, it posts the batch's submissions to the group's key-value store, each
+in the job wire form (:mod:`asyncinterp.client.job_form`: msgpack, no pickle;
+each intervention as its registered name and parameters, each invoke's seed in
+its options). The other ranks follow: they read each job, bind the same
+registered interventions and run the same batch through their own batcher, so every
 rank runs the same job and the collectives line up (see
 :mod:`asyncinterp.models.hf.tp`).
 
@@ -31,10 +31,13 @@ import sys
 from datetime import timedelta
 
 from ...client import wire
+from ...client.job_form import Named, dumps_job
+from ...job import InvokeSpec
+from ..jobs.job_wire import JobParts, read_job
 from ..http.app import Server
 from ..scheduling.batcher import Batcher
 from ..jobs.errors import RequestFailed
-from ..scheduling.requests import Request
+from ..scheduling.submission import Submission
 
 __all__ = ["launch_ranks", "main"]
 
@@ -118,19 +121,47 @@ class _LeaderBatcher(Batcher):
     channel = None
 
     def _run(self, live):
-        items, mirrored = [], []
-        for r in live:
-            specs = [getattr(fn, "tp_spec", None) for fn in r.fns]
-            if any(s is None for s in specs):
-                r.deliver(False, RuntimeError("under tensor parallelism only registered interventions can run"))
+        jobs, mirrored = [], []
+        for sub in live:
+            specs = [[getattr(fn, "tp_spec", None) for fn in served.fns] for served in sub.invokes]
+            if any(s is None for fns in specs for s in fns):
+                sub.answer(False, RuntimeError("under tensor parallelism only registered interventions can run"))
                 continue
-            items.append({"kind": r.kind, "input": r.input, "specs": specs, "kwargs": dict(r.kwargs or {}),
-                          "gen": dict(r.gen or {}), "max_new_tokens": r.max_new_tokens})
-            mirrored.append(r)
+            jobs.append(_job_form(sub, specs))
+            mirrored.append(sub)
         if not mirrored:
             return None
-        self.channel.send(wire.packb({"requests": items}))
+        self.channel.send(wire.packb({"jobs": jobs}))
         return super()._run(mirrored)
+
+
+def _job_form(sub, specs) -> bytes:
+    """A submission as the other ranks read it: the job wire (:mod:`asyncinterp.client.job_form`), each
+    intervention as its registered name and parameters, each invoke's own seed in its options."""
+    invokes = tuple(InvokeSpec(served.input, tuple(Named(s["name"], s.get("params") or {}) for s in fns),
+                               served.kwargs or {}, {"seed": served.gen.get("seed")} if sub.kind == "generate" else {})
+                    for served, fns in zip(sub.invokes, specs))
+    generation = dict(sub.gen) if sub.kind == "generate" else {}
+    if sub.kind == "generate":
+        generation["max_new_tokens"] = sub.max_new_tokens
+    return dumps_job(JobParts(invokes, sub.kind, sub.on_error, False, generation, {}))
+
+
+def _submission(job) -> Submission:
+    """A follower's copy of rank 0's submission, its interventions bound by name here."""
+    generation = dict(job.generation)
+    max_new_tokens = generation.pop("max_new_tokens", None)
+    sub = Submission(job.kind, [(spec.input, spec.fns, dict(spec.kwargs)) for spec in job.invokes],
+                     on_error=job.on_error, gen=generation, max_new_tokens=max_new_tokens)
+    for served, spec in zip(sub.invokes, job.invokes):
+        if job.kind == "generate":
+            served.gen = dict(generation, seed=spec.options.get("seed"))
+    sub.start()
+    return sub
+
+
+def _registered_only(spec):
+    raise RequestFailed("refused", "under tensor parallelism only registered interventions can run")
 
 
 def _server_kwargs(args, keys):
@@ -184,13 +215,11 @@ def _follow(args, model, keys, channel) -> int:
             payload = await asyncio.to_thread(channel.recv)
             if payload == _STOP:
                 return 0
-            batch = []
-            for item in wire.unpackb(payload)["requests"]:
-                fns = [server.bind_intervention(spec, server.timeout)[0] for spec in item["specs"]]
-                r = Request(item["kind"], item["input"], fns, item["kwargs"], None, gen=item["gen"],
-                            max_new_tokens=item["max_new_tokens"])
-                r.start()
-                batch.append(r)
+            def named(spec):
+                return server.bind_intervention({"name": spec.get("name"), "params": spec.get("params")},
+                                                server.timeout)[0]
+            batch = [_submission(read_job(data, compile=_registered_only, named=named))
+                     for data in wire.unpackb(payload)["jobs"]]
             try:
                 await asyncio.to_thread(server.batcher._run, batch)
             except Exception:  # noqa: BLE001 - rank 0 reports it to its client (see distributed.group.agree)

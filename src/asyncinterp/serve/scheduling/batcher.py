@@ -53,7 +53,8 @@ from ...job import Trace
 from ...kernel.scheduler import current_run
 from ...models.generating import SEEDS, check_stop, eos_ids, stop_hit
 from .arrivals import Arrivals, submitted
-from .requests import REQUESTS, BatcherClosed, BatcherFull, GenerateResult, Ledger, Meter, Request, emit  # noqa: F401
+from .requests import REQUESTS, BatcherClosed, BatcherFull, GenerateResult, Ledger, Meter, emit  # noqa: F401
+from .submission import NO_ENVELOPE, Envelope, Submission
 
 log = logging.getLogger("asyncinterp.serve")
 
@@ -149,8 +150,36 @@ class Batcher(aio.Closable):
         self._live = is_live_engine(model)
         self._running = set()            # live mode: the runs in the engine
 
+    # ------------------------------------------------------------------ as an engine
+    def make_invoke(self, index: int, input, fns: tuple, kwargs: dict, deferred: bool, kind: str = "trace"):
+        """Check one invoke of a job for this front (the model's own engine does: a bad input or intervention
+        fails here, on the caller's line); returns its result carrier, whose ``spec`` is the job's part."""
+        return self.model.engine(kind).make_invoke(index, input, fns, kwargs, deferred)
+
+    def start(self, job, envelope: Envelope = NO_ENVELOPE, *, stream: bool = False, single: bool = False) -> Submission:
+        """Take a job (a :class:`~asyncinterp.job.Job`, or the parts a server read: anything with its
+        ``invokes``, ``kind``, ``on_error`` and ``generation``) with its serving envelope; queue it (a live
+        engine: hand it to the engine now) and return its :class:`~.submission.Submission`, whose answer
+        :meth:`answer` awaits. ``single``: its answer is its one invoke's value, not one ``(ok, value)`` per
+        invoke."""
+        generation = dict(job.generation or {})
+        max_new_tokens = generation.pop("max_new_tokens", None)
+        return self._submission(job.kind, job.invokes, job.on_error, generation, max_new_tokens, stream, single,
+                                envelope)
+
+    async def answer(self, sub: Submission, timeout: float | None = None):
+        """Wait for ``sub``'s answer (``TimeoutError`` after ``timeout``, extended by the time other requests'
+        metered code held the worker: :class:`Meter`); leaving early cancels it."""
+        return await self._wait(sub, timeout)
+
+    def events(self, sub: Submission, timeout: float | None = None) -> "GenerationStream":
+        """``sub``'s events as an async iterator (a streaming submission: tokens, emitted values, tagged
+        ``"invoke": i`` when it has several invokes), then ``{"event": "done", "result": ...}``."""
+        return GenerationStream(self, sub, self._deadline(timeout))
+
     # ------------------------------------------------------------------ public
-    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, **kwargs):
+    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, owner=None,
+                    receipt=None, **kwargs):
         """Run ``fns`` on ``input`` in a shared forward; returns what ``model.trace(input, *fns)`` returns.
 
         ``timeout`` (seconds) bounds this request only (``TimeoutError``),
@@ -159,19 +188,22 @@ class Batcher(aio.Closable):
         ``on_cancel`` is called (in this event loop) if the request is
         cancelled or times out; ``meter``: the :class:`Meter` that this
         request's intervention reports its time to (submitted code's clock);
-        ``kwargs`` go to the invoke.
+        ``owner`` and ``receipt``: the rest of its :class:`~.submission.Envelope`; ``kwargs`` go to the invoke.
         """
-        req = self._make("trace", input, fns, kwargs, None, None, on_cancel, False, meter)
-        return await self._wait(req, timeout)
+        sub = self._submission("trace", ((input, fns, kwargs),), "stop", None, None, False, True,
+                               Envelope(owner, meter, timeout, receipt, on_cancel))
+        return await self._wait(sub, timeout)
 
     async def generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
-                       on_cancel=None, meter=None, **generate_kwargs) -> GenerateResult:
+                       on_cancel=None, meter=None, owner=None, receipt=None, **generate_kwargs) -> GenerateResult:
         """Generate for ``input`` with ``fns`` in a shared generation; returns a :class:`GenerateResult`."""
-        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, False, meter)
-        return await self._wait(req, timeout)
+        sub = self._single_generation(input, fns, max_new_tokens, generate_kwargs, False,
+                                      Envelope(owner, meter, timeout, receipt, on_cancel))
+        return await self._wait(sub, timeout)
 
     def stream_generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
-                        on_cancel=None, meter=None, **generate_kwargs) -> "GenerationStream":
+                        on_cancel=None, meter=None, owner=None, receipt=None,
+                        **generate_kwargs) -> "GenerationStream":
         """Like :meth:`generate`, as an async iterator of events while the generation runs.
 
         The request is queued at once (so :class:`BatcherFull` is raised
@@ -182,24 +214,9 @@ class Batcher(aio.Closable):
         from the iterator; leaving the loop early (or ``aclose()``) cancels
         the request.
         """
-        req = self._make_generate(input, fns, max_new_tokens, generate_kwargs, on_cancel, True, meter)
-        return GenerationStream(self, req, self._deadline(timeout, req))
-
-    async def group(self, kind, invokes, *, timeout: float | None = None, on_cancel=None, meter=None,
-                    on_error: str = "stop", max_new_tokens: int | None = None, **generate_kwargs) -> list:
-        """Run ``invokes`` (``(input, fns)`` or ``(input, fns, kwargs)``) as one atomic group: the same forward, never split.
-
-        Returns one ``(ok, value)`` per invoke (see :mod:`.groups`); ``timeout``, ``on_cancel`` and
-        ``meter`` cover the whole group (``"generate"``: ``max_new_tokens`` and generation options).
-        """
-        req = self._make_group(kind, invokes, on_cancel, meter, on_error, max_new_tokens, generate_kwargs, False)
-        return await self._wait(req, timeout)
-
-    def stream_group(self, kind, invokes, *, timeout: float | None = None, on_cancel=None, meter=None,
-                     on_error: str = "stop", max_new_tokens: int | None = None, **generate_kwargs):
-        """Like :meth:`group`, as an async iterator of its members' events (tagged ``"invoke": i``), then done."""
-        req = self._make_group(kind, invokes, on_cancel, meter, on_error, max_new_tokens, generate_kwargs, True)
-        return GenerationStream(self, req, self._deadline(timeout, req))
+        sub = self._single_generation(input, fns, max_new_tokens, generate_kwargs, True,
+                                      Envelope(owner, meter, timeout, receipt, on_cancel))
+        return GenerationStream(self, sub, self._deadline(timeout))
 
     def queue_size(self) -> int:
         return len(self._pending) + len(self._running)
@@ -211,8 +228,8 @@ class Batcher(aio.Closable):
             pending = list(self._pending)
             self._pending.clear()
             self._cond.notify_all()
-        for req in pending:
-            req.deliver(False, BatcherClosed("the batcher was closed before this request ran"))
+        for sub in pending:
+            sub.answer(False, BatcherClosed("the batcher was closed before this request ran"))
         run = self._current
         if run is not None:
             run.cancel()
@@ -223,54 +240,46 @@ class Batcher(aio.Closable):
             t.join(timeout)
 
     # ------------------------------------------------------------------ submitting
-    def _make(self, kind, input, fns, kwargs, gen, max_new_tokens, on_cancel, stream, meter=None):
-        for fn in fns:
-            if not callable(fn):
-                raise TypeError(f"an intervention must be an async function taking the model envoy, got {fn!r}")
-        grad = any(getattr(fn, "needs_grad", False) for fn in fns)   # gradient requests share runs only together
-        if kind == "trace":
-            key = ("trace", self._input_key(input), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())), grad)
-        else:
-            gen = _own_seed(gen)
-            key = ("generate", self._input_key(input), _generation_key(gen))
-        req = Request(kind, input, fns, kwargs, key, gen, max_new_tokens, on_cancel, stream, meter)
-        req.meter.attach(self.ledger)
-        self._submit(req)
-        return req
+    def _single_generation(self, input, fns, max_new_tokens, generate_kwargs, stream, envelope):
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        return self._submission("generate", ((input, fns, {}),), "stop", generate_kwargs, max_new_tokens, stream,
+                                True, envelope)
 
-    def _make_group(self, kind, invokes, on_cancel, meter, on_error, max_new_tokens, gen, stream):
-        from .groups import Group
-        if self._live:
-            raise TypeError("a job of several invokes as one group is not available on a live engine (vLLM) yet")
+    def _submission(self, kind, invokes, on_error, gen, max_new_tokens, stream, single, envelope) -> Submission:
+        """The one submission of a job (``invokes``: its invoke specs, or ``(input, fns[, kwargs])``): checked,
+        keyed (which submissions may share a run) and queued."""
         if not invokes or len(invokes) > self.max_batch:
-            raise ValueError(f"a group has 1 to max_batch={self.max_batch} invokes, got {len(invokes)}")
+            raise ValueError(f"a job has 1 to max_batch={self.max_batch} invokes, got {len(invokes)}")
+        if self._live and len(invokes) > 1:
+            raise TypeError("a job of several invokes in one forward is not available on a live engine (vLLM) yet")
+        for spec in invokes:
+            for fn in spec[1]:
+                if not callable(fn):
+                    raise TypeError(f"an intervention must be an async function taking the model envoy, got {fn!r}")
+        first = invokes[0]
         if kind == "generate":
             if not self._is_lm:
                 raise TypeError("generation requests need a LanguageModel (with a tokenizer and generate)")
-            key = ("generate", self._input_key(invokes[0][0]), _generation_key(gen))
+            gen = gen or {}
+            key = ("generate", self._input_key(first[0]), _generation_key(gen))
         else:
-            kwargs = invokes[0][2] if len(invokes[0]) > 2 else {}   # (the invokes of a job agree on them)
-            grad = any(getattr(fn, "needs_grad", False) for invoke in invokes for fn in invoke[1])
-            key = ("trace", self._input_key(invokes[0][0]), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())),
-                   grad)
-        if any(invoke[0] is None for invoke in invokes):
-            # an invoke without input sees "the whole batch": the group runs in a batch of its own, so that batch
+            kwargs = first[2] if len(first) > 2 and first[2] else {}   # (the invokes of a job agree on them)
+            grad = any(getattr(fn, "needs_grad", False) for spec in invokes for fn in spec[1])
+            key = ("trace", self._input_key(first[0]), tuple(sorted((k, _freeze(v)) for k, v in kwargs.items())),
+                   grad)   # gradient requests share runs only together
+        if any(spec[0] is None for spec in invokes):
+            # an invoke without input sees "the whole batch": the job runs in a batch of its own, so that batch
             # holds this job's rows only, never another request's
             key += (object(),)
-        req = Group(kind, invokes, key, gen, max_new_tokens, on_cancel, stream, meter, on_error)
+        sub = Submission(kind, invokes, on_error=on_error, gen=gen, max_new_tokens=max_new_tokens, key=key,
+                         single=single, stream=stream, envelope=envelope)
         if kind == "generate":
-            for member in req.members:   # as locally: the job's seed for every invoke, or a fresh one for each
-                member.gen = _own_seed(member.gen)
-        req.meter.attach(self.ledger)
-        self._submit(req)
-        return req
-
-    def _make_generate(self, input, fns, max_new_tokens, generate_kwargs, on_cancel, stream, meter=None):
-        if not self._is_lm:
-            raise TypeError("generation requests need a LanguageModel (with a tokenizer and generate)")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        return self._make("generate", input, fns, {}, generate_kwargs, max_new_tokens, on_cancel, stream, meter)
+            for inv in sub.invokes:   # as locally: the job's seed for every invoke, or a fresh one for each
+                inv.gen = _own_seed(inv.gen)
+        sub.meter.attach(self.ledger)
+        self._submit(sub)
+        return sub
 
     def _input_key(self, input):
         if self._key_fn is not None:
@@ -286,53 +295,53 @@ class Batcher(aio.Closable):
                 return ("invalid", id(input))
         return _shape_key(input)
 
-    def _submit(self, req):
+    def _submit(self, sub):
         submitted()
         if self._live:
-            return self._start_live(req)
+            return self._start_live(sub)
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the batcher is closed")
             if len(self._pending) >= self.max_queue:
                 raise BatcherFull(f"{len(self._pending)} requests are waiting (max_queue={self.max_queue}); "
                                   "try again later")
-            self._pending.append(req)
+            self._pending.append(sub)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._worker, name=f"asyncinterp-{self.name}", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
 
-    def _deadline(self, timeout, req=None):
+    def _deadline(self, timeout):
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    async def _wait(self, req, timeout):
-        deadline = self._deadline(timeout, req)
+    async def _wait(self, sub, timeout):
+        deadline = self._deadline(timeout)
         try:
             while True:
-                kind, ok, value = await _next_item(req, deadline)
+                kind, ok, value = await _next_item(sub, deadline)
                 if kind == "done":
                     break
         except BaseException:
-            req.cancel()
-            self.unqueue(req)
+            sub.cancel()
+            self.unqueue(sub)
             self.stats["cancelled"] += 1
             raise
         if not ok:
             raise value
         return value
 
-    def unqueue(self, req) -> None:
-        """Take a (cancelled) request out of the queue, if it is still there."""
+    def unqueue(self, sub) -> None:
+        """Take a (cancelled) submission out of the queue, if it is still there."""
         with self._cond:
             try:
-                self._pending.remove(req)
+                self._pending.remove(sub)
             except ValueError:
                 pass
 
     # ------------------------------------------------------------------ live engines (vLLM)
-    def _start_live(self, req):
-        """Hand ``req`` to the engine now as a run of its own (it joins before the next engine step)."""
+    def _start_live(self, sub):
+        """Hand ``sub`` to the engine now as a run of its own (it joins before the next engine step)."""
         model = self.model
         with self._cond:
             if self._closed:
@@ -340,47 +349,48 @@ class Batcher(aio.Closable):
             if len(self._running) >= self.max_queue + self.max_batch:
                 raise BatcherFull(f"{len(self._running)} requests are in the engine (max_queue + max_batch = "
                                   f"{self.max_queue + self.max_batch}); try again later")
-        req.start()
+        sub.start()
+        served = sub.invokes[0]
         try:
             # the job is built once, with everything up front: m.stop() ends this request only, the request
             # table for serve.emit and the listener that hears its tokens are part of it when it is frozen
             # the request's sampling options are its invoke's own: the engine makes its sampling parameters and
             # adapter request once, when the invoke is made
-            trace = Trace(model, req.kind, "continue", stop_per_invoke=True)
-            trace.listener = _LiveListener(self, req)
-            options = dict(req.kwargs, **req.gen, max_new_tokens=req.max_new_tokens) if req.kind == "generate" \
-                else req.kwargs
-            inv = trace.invoke(req.input, *req.fns, **options)
-            trace.context[REQUESTS] = {inv.index: req}
-            req.tokens = [inv.token_ids]      # the engine appends to it step by step
-            run = trace.start()               # the job, frozen (nothing runs until it is submitted)
+            trace = Trace(model, sub.kind, "continue", stop_per_invoke=True)
+            trace.listener = _LiveListener(self, served)
+            options = dict(served.kwargs, **served.gen, max_new_tokens=sub.max_new_tokens) \
+                if sub.kind == "generate" else served.kwargs
+            inv = trace.invoke(served.input, *served.fns, **options)
+            trace.context[REQUESTS] = {inv.index: served}
+            served.tokens = [inv.token_ids]      # the engine appends to it step by step
+            run = trace.start()                  # the job, frozen (nothing runs until it is submitted)
         except Exception as exc:  # noqa: BLE001 - this request's input or intervention is invalid
-            req.deliver(False, exc)
+            served.deliver(False, exc)
             return
         with self._cond:
             self._running.add(run)
             running = len(self._running)
         self.stats["requests"] += 1
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], running)   # most runs in the engine at once
-        req.attach(inv)
+        served.attach(inv)
         try:
             model.submit(trace)
         except Exception as exc:  # noqa: BLE001 - e.g. the engine was closed
             with self._cond:
                 self._running.discard(run)
-            req.deliver(False, exc)
+            served.deliver(False, exc)
 
-    def finish_live(self, req, run) -> None:
-        """A live run ended (engine loop thread): deliver its request's result or error."""
+    def finish_live(self, served, run) -> None:
+        """A live run ended (engine loop thread): deliver its invoke's result or error."""
         with self._cond:
             self._running.discard(run)
         if run.error is not None:
             err = run.error
             if isinstance(err, RunCancelled) or self._closed:
                 err = BatcherClosed("the batcher was closed while this request ran")
-            req.deliver(False, err)
+            served.deliver(False, err)
         else:
-            req.finish(self.model)
+            served.finish(self.model)
 
     # ------------------------------------------------------------------ worker
     def _worker(self):
@@ -392,8 +402,8 @@ class Batcher(aio.Closable):
                 self._execute(batch)
             except BaseException as exc:  # noqa: BLE001 - never let the worker die
                 log.exception("batcher worker error")
-                for req in batch:
-                    req.deliver(False, exc)
+                for sub in batch:
+                    sub.answer(False, exc)
 
     def _next_batch(self):
         cond = self._cond
@@ -416,7 +426,7 @@ class Batcher(aio.Closable):
                 cond.wait(deadline - now)
             batch = []
             keep = collections.deque()
-            size = 0   # invokes in the batch (a group is never split: it goes in whole or waits)
+            size = 0   # invokes in the batch (a submission is never split: it goes in whole or waits)
             for r in self._pending:
                 if r.state != "queued":
                     continue
@@ -440,31 +450,24 @@ class Batcher(aio.Closable):
             self._run(live)
         except BaseException as exc:  # noqa: BLE001 - the run itself failed (bad input, the model raised)
             if isinstance(exc, RunCancelled) or self._closed:
-                for r in live:
-                    r.deliver(False, BatcherClosed("the batcher was closed while this request ran"))
+                for sub in live:
+                    sub.answer(False, BatcherClosed("the batcher was closed while this request ran"))
                 return
             if len(live) == 1:
-                live[0].deliver(False, exc)
+                live[0].answer(False, exc)
                 return
             # isolate the request that broke the shared run: rerun each alone
             self.stats["fallbacks"] += 1
             log.info("batch of %d failed (%s: %s); rerunning its requests one by one", len(live),
                      type(exc).__name__, exc)
-            for r in live:
-                if r.state != "running":
+            for sub in live:
+                if sub.state != "running":
                     continue
-                if hasattr(r, "reset"):   # a group: its members start again
-                    r.reset()
-                r.invoke = None
-                r.tokens = None
-                r.emitted = []
-                if r.streamed:
-                    r.event({"event": "restart"})   # its events so far came from the failed shared run
-                r.streamed = 0
+                sub.reset()
                 try:
-                    self._run([r])
+                    self._run([sub])
                 except BaseException as solo_exc:  # noqa: BLE001
-                    r.deliver(False, solo_exc)
+                    sub.answer(False, solo_exc)
         log.debug("batch of %d ran in %.1f ms", len(live), 1000 * (time.perf_counter() - t0))
 
     def _run(self, live):
@@ -475,16 +478,16 @@ class Batcher(aio.Closable):
         if generating:
             n_max = max(r.max_new_tokens for r in live)
             shared = {k: v for k, v in live[0].gen.items() if k != "seed"}   # (seeds are per request: SEEDS)
-            run = Trace(model, "generate", "continue", stop_per_invoke=True,
+            tr = Trace(model, "generate", "continue", stop_per_invoke=True,
                         generation=dict(shared, max_new_tokens=n_max))
-            seeds = run.context[SEEDS] = {}
+            seeds = tr.context[SEEDS] = {}
         else:
-            run = Trace(model, "trace", "continue", stop_per_invoke=True)
+            tr = Trace(model, "trace", "continue", stop_per_invoke=True)
         requests = {}
-        run.context[REQUESTS] = requests
-        for r in [m for g in live for m in getattr(g, "members", (g,))]:   # a group: each of its invokes
+        tr.context[REQUESTS] = requests
+        for r in [served for sub in live for served in sub.invokes]:
             try:
-                inv = run.invoke(r.input, *r.fns, **r.kwargs)
+                inv = tr.invoke(r.input, *r.fns, **r.kwargs)
             except Exception as exc:  # this request's input or intervention is invalid: only it fails
                 r.deliver(False, exc)
                 continue
@@ -495,34 +498,34 @@ class Batcher(aio.Closable):
         if not requests:
             return
         if generating:
-            run.invoke(None, _GenerationWatch(self, requests))
-        self._current = run
+            tr.invoke(None, _GenerationWatch(self, requests))
+        self._current = tr
         grad = any(getattr(fn, "needs_grad", False) for r in requests.values() for fn in r.fns)
         try:
             if grad:
                 with torch.enable_grad():   # gradient requests (their key keeps them among themselves)
-                    run.run()
+                    tr.run()
             elif self.no_grad:
                 with torch.no_grad():
-                    run.run()
+                    tr.run()
             else:
-                run.run()
+                tr.run()
         finally:
             self._current = None
         for r in requests.values():
             r.finish(model)
 
 
-async def _next_item(req, deadline):
-    """The request's next mailbox item; ``TimeoutError`` at ``deadline`` plus the request's credit
+async def _next_item(sub, deadline):
+    """The submission's next mailbox item; ``TimeoutError`` at ``deadline`` plus its credit
     (the time other requests' metered interventions held the worker meanwhile, see :class:`Meter`)."""
     if deadline is None:
-        return await req.mailbox.get()
-    meter = req.meter
+        return await sub.mailbox.get()
+    meter = sub.meter
     while True:
         try:
             with aio.fail_at(deadline + meter.credit()):
-                return await req.mailbox.get()
+                return await sub.mailbox.get()
         except TimeoutError:
             if time.monotonic() >= deadline + meter.credit():
                 raise
@@ -532,23 +535,23 @@ async def _next_item(req, deadline):
 class _LiveListener:
     """Hears a live vLLM run's tokens, emitted values and end (in the engine loop's thread)."""
 
-    __slots__ = ("batcher", "req")
+    __slots__ = ("batcher", "served")
 
-    def __init__(self, batcher, req):
+    def __init__(self, batcher, served):
         self.batcher = batcher
-        self.req = req
+        self.served = served
 
     def on_output(self, invoke) -> None:
-        self.req.stream_tokens(self.batcher.model.tokenizer)
+        self.served.stream_tokens(self.batcher.model.tokenizer)
 
     def on_event(self, index, item) -> None:
-        req = self.req
-        req.emitted.append(item)
-        if req.stream:
-            req.event(item)
+        served = self.served
+        served.emitted.append(item)
+        if served.stream:
+            served.event(item)
 
     def on_finish(self, run) -> None:
-        self.batcher.finish_live(self.req, run)
+        self.batcher.finish_live(self.served, run)
 
 
 class EventStream:
@@ -599,19 +602,19 @@ class EventStream:
 
 
 class GenerationStream(EventStream):
-    """Async iterator over a streaming generation request's events (see :meth:`Batcher.stream_generate`)."""
+    """Async iterator over a streaming submission's events (see :meth:`Batcher.stream_generate`)."""
 
-    def __init__(self, batcher, req, deadline):
+    def __init__(self, batcher, sub, deadline):
         self._batcher = batcher
-        self._req = req
+        self._sub = sub
         self._deadline = deadline
 
     def _next(self):
-        return _next_item(self._req, self._deadline)
+        return _next_item(self._sub, self._deadline)
 
     def _cancel(self) -> None:
-        self._req.cancel()
-        self._batcher.unqueue(self._req)
+        self._sub.cancel()
+        self._batcher.unqueue(self._sub)
 
 
 class _GenerationWatch:

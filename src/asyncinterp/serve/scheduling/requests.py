@@ -1,32 +1,32 @@
-"""One served request: its state, its mailbox, its result, and ``emit`` for values sent while it runs.
+"""What a served request's code and its answer share with the front: ``emit``, the time meters, the results.
 
-A :class:`Request` is what the :class:`~asyncinterp.serve.scheduling.batcher.Batcher`
-queues, puts into a job (its invoke), and answers through: the worker thread
-delivers the result or the error into the request's mailbox, which the
-awaiting task reads in its own event loop. The job's ``context`` maps each
-invoke to its request (:data:`REQUESTS`), which is how :func:`emit` inside
-an intervention finds where to send a value. :class:`Meter` and
-:class:`Ledger` account for the time submitted code holds the shared worker,
-so one request's deadline is not eaten by its batch-mates'.
+A served job is a :class:`~.submission.Submission`; inside the run that
+serves it, the run's ``context`` maps each invoke to its
+:class:`~.submission.ServedInvoke` (:data:`REQUESTS`), which is how
+:func:`emit` inside an intervention finds where to send a value.
+:class:`Meter` and :class:`Ledger` account for the time submitted code holds
+the shared worker, so one request's deadline is not eaten by its
+batch-mates'. :class:`GenerateResult` is what a generation answers;
+:class:`BatcherFull` and :class:`BatcherClosed` are the front's refusals.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ... import aio
 from ...kernel.scheduler import current_kernel, current_task
 from ...run import EVENTS
 
-log = logging.getLogger("asyncinterp.serve")
 
-__all__ = ["BatcherClosed", "BatcherFull", "GenerateResult", "Ledger", "Meter", "REQUESTS", "Request", "emit"]
+__all__ = ["BatcherClosed", "BatcherFull", "GenerateResult", "Ledger", "Meter", "REQUESTS", "emit"]
+
+
+def __getattr__(name):   # old names: the compatibility table, asyncinterp.moved.RENAMED
+    from ...moved import old_name
+    return old_name(__name__, name)
 
 
 class BatcherFull(RuntimeError):
@@ -145,148 +145,7 @@ class Meter:
         return max(c, 0.0)
 
 
-# --------------------------------------------------------------------------- requests
-_ids = itertools.count(1)
-
-
-class Request:
-    __slots__ = ("id", "kind", "input", "fns", "kwargs", "gen", "max_new_tokens", "key", "arrival", "state",
-                 "invoke", "lock", "mailbox", "on_cancel", "tokens", "streamed", "emitted", "stream", "finished",
-                 "meter")
-
-    size = 1   # invokes this request puts into a batch (a Group of serve.groups: several)
-
-    def __init__(self, kind, input, fns, kwargs, key, gen=None, max_new_tokens=None, on_cancel=None,
-                 stream=False, meter=None):
-        self.id = next(_ids)
-        self.kind = kind
-        self.input = input
-        self.fns = list(fns)
-        self.kwargs = kwargs
-        self.gen = gen or {}
-        self.max_new_tokens = max_new_tokens
-        self.key = key
-        self.arrival = time.monotonic()
-        self.state = "queued"        # queued -> running -> done | cancelled
-        self.invoke = None
-        self.lock = threading.Lock()
-        self.mailbox = aio.Mailbox()   # made in the requesting task's event loop
-        self.on_cancel = on_cancel
-        self.tokens = None           # generation: per row, the ids generated so far
-        self.streamed = 0
-        self.emitted = []
-        self.stream = stream
-        self.finished = False
-        self.meter = meter if meter is not None else Meter()
-
-    # worker side -------------------------------------------------------------
-    def start(self) -> bool:
-        with self.lock:
-            if self.state != "queued":
-                return False
-            self.state = "running"
-            return True
-
-    def attach(self, invoke) -> None:
-        with self.lock:
-            self.invoke = invoke
-            cancelled = self.state == "cancelled"
-        if cancelled:
-            invoke.cancel()
-
-    def deliver(self, ok: bool, value) -> None:
-        with self.lock:
-            if self.state == "done" or self.finished:
-                return
-            self.finished = True
-            if self.state == "cancelled":
-                return
-            self.state = "done"
-        self.mailbox.put(("done", ok, value))
-
-    def event(self, item) -> None:
-        if self.state != "cancelled":
-            self.mailbox.put(("event", True, item))
-
-    def finish(self, model) -> None:
-        """Deliver the result of this request's finished invoke (a value, or a generation's result)."""
-        if self.kind == "generate":
-            self.finish_generation(model.tokenizer)
-            return
-        try:
-            value = self.invoke.result
-        except BaseException as exc:  # noqa: BLE001
-            self.deliver(False, exc)
-        else:
-            self.deliver(True, value)
-
-    def finish_generation(self, tokenizer, early=False) -> None:
-        """Deliver this generation request's result: its value, tokens and text (``early``: it left the run)."""
-        if self.finished:
-            return
-        try:
-            value = self.invoke.value() if early else self.invoke.result
-        except BaseException as exc:  # noqa: BLE001
-            self.deliver(False, exc)
-            return
-        rows = self.tokens or [[]]
-        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
-        self.stream_tokens(tokenizer, final=True)
-        single = len(rows) == 1
-        lps = _logprobs(self.invoke, "logprobs") if self.gen.get("logprobs") is not None else None
-        self.deliver(True, GenerateResult(value, rows[0] if single else rows, texts[0] if single else texts,
-                                          list(self.emitted), getattr(self.invoke, "cached_tokens", None),
-                                          None if lps is None else list(lps[:len(rows[0])]),
-                                          _logprobs(self.invoke, "prompt_logprobs")
-                                          if self.gen.get("prompt_logprobs") is not None else None))
-
-    def stream_tokens(self, tokenizer, final=False) -> None:
-        """A streaming request: send a ``token`` event for each token generated since the last call."""
-        if not self.stream or self.tokens is None or len(self.tokens) != 1:
-            return
-        row = self.tokens[0]
-        while self.streamed < len(row):
-            i = self.streamed
-            prev = tokenizer.decode(row[:i], skip_special_tokens=True)
-            now = tokenizer.decode(row[:i + 1], skip_special_tokens=True)
-            item = {"event": "token", "step": i, "token": row[i], "text": now[len(prev):]}
-            if self.gen.get("logprobs") is not None:
-                item["logprobs"] = _logprob_at(self.invoke, i)
-                if i == 0 and self.gen.get("prompt_logprobs") is not None:
-                    item["prompt_logprobs"] = _logprobs(self.invoke, "prompt_logprobs")
-            self.event(item)
-            self.streamed += 1
-
-    # loop side ---------------------------------------------------------------
-    def cancel(self) -> None:
-        with self.lock:
-            if self.state in ("done", "cancelled"):
-                return
-            self.state = "cancelled"
-            inv = self.invoke
-        if self.on_cancel is not None:
-            try:
-                self.on_cancel()
-            except Exception:  # noqa: BLE001 - a callback must not break cancellation
-                log.exception("on_cancel callback failed")
-        if inv is not None:
-            inv.cancel()
-
-
-def _logprobs(invoke, name):
-    """An invoke's ``logprobs``/``prompt_logprobs`` (both engines' invokes have them), or ``None``."""
-    try:
-        return getattr(invoke, name, None)
-    except Exception:  # noqa: BLE001 - an invoke whose run has gone: nothing to report
-        return None
-
-
-def _logprob_at(invoke, i):
-    at = getattr(invoke, "logprob_at", None)
-    return None if at is None else at(i)
-
-
-REQUESTS = "serve.requests"   # run.context key: invoke index -> the request it serves
+REQUESTS = "serve.requests"   # run.context key: invoke index -> the ServedInvoke it runs
 
 
 def emit(value) -> None:

@@ -5,14 +5,13 @@ and under its own lock: sending requests to the worker, reading its
 messages, watching its heartbeat and its batch's hard deadline, killing it,
 sorting the requests it held (blame, re-run alone, resend) and starting its
 successor (from the fork server: no thread state inherited, :mod:`.worker_start`).
-:class:`~.supervisor.Supervisor` owns one pool per trust class and only submits and cancels :class:`Ticket` s (one per request); the policy (what is killed when,
+:class:`~.supervisor.Supervisor` owns one pool per trust class and only submits and cancels :class:`~..scheduling.submission.Submission` s (one per request); the policy (what is killed when,
 who is blamed) is described in :mod:`.supervisor`.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import queue
@@ -26,41 +25,18 @@ from ..jobs import errors
 from ...client import wire
 from . import worker_results
 from ..scheduling.batcher import BatcherClosed, BatcherFull, GenerateResult
+from ..scheduling.submission import Submission
 from .channel import Channel, Heartbeat
 from ..scheduling.worker_failures import Cause, RemoteFailure, WorkerUnavailable, cause_of_exit, failure_for
 
 log = logging.getLogger("asyncinterp.serve.workers.supervisor")
 
+def __getattr__(name):   # old names (Ticket: a submission): the compatibility table, asyncinterp.moved.RENAMED
+    from ...moved import old_name
+    return old_name(__name__, name)
+
+
 TICK = 0.02           # seconds between a pool's checks of its worker
-_ids = itertools.count(1)
-
-
-class Ticket:
-    """One request as the supervisor tracks it across workers (and re-runs)."""
-
-    __slots__ = ("id", "kind", "fields", "payload", "timeout", "budget", "mailbox", "state", "worker", "suspect",
-                 "forwarded", "guard", "pool")
-
-    def __init__(self, kind, fields: dict, timeout: float, budget: float, guard: float):
-        self.id = next(_ids)
-        self.kind = kind
-        self.fields = dict(fields, op="run", id=self.id, kind=kind, timeout=timeout)
-        self.payload = wire.packb(self.fields)
-        self.timeout = timeout
-        self.budget = budget
-        self.mailbox = aio.Mailbox()
-        self.state = "waiting"        # waiting -> sent -> started -> done | cancelled
-        self.worker = None
-        self.suspect = False          # it was in a batch that a worker died running: it is re-run alone
-        self.forwarded = 0            # stream events passed on; a re-run first sends a "restart" event
-        self.guard = time.monotonic() + guard
-        self.pool = None
-
-    def finish(self, ok: bool, value) -> None:   # under the pool's lock
-        if self.state in ("done", "cancelled"):
-            return
-        self.state = "done"
-        self.mailbox.put(("done", ok, value))
 
 
 class WorkerHandle:
@@ -75,7 +51,7 @@ class WorkerHandle:
         self.doomed = False           # judged dead (or being retired): nothing more is sent or believed
         self.broken = None            # why its pipe failed, if it did
         self.kill_cause = None
-        self.jobs = {}                # id -> Ticket sent to it and not answered
+        self.jobs = {}                # id -> Submission sent to it and not answered
         self.batch = []               # ids of the batch it is running (empty between batches)
         self.batch_started = None
         self.batch_deadline = None    # the running batch's hard deadline (time.monotonic())
@@ -132,7 +108,7 @@ class Pool:
         self.restart_times = collections.deque(maxlen=50)
 
     # ------------------------------------------------------------------ from the event loops
-    def submit(self, job: Ticket) -> None:
+    def submit(self, job: Submission) -> None:
         with self.cond:
             if self.closed:
                 raise BatcherClosed("the server is shutting down")
@@ -159,7 +135,7 @@ class Pool:
             if self.forked_edits is not None and not set(names) <= self.forked_edits:
                 self.stale = True
 
-    def cancel(self, job: Ticket) -> None:
+    def cancel(self, job: Submission) -> None:
         with self.cond:
             state = job.state
             if state in ("done", "cancelled"):
@@ -171,7 +147,7 @@ class Pool:
                 except ValueError:
                     pass
             w = job.worker
-            if state in ("sent", "started") and w is not None and not w.doomed:
+            if state in ("sent", "running") and w is not None and not w.doomed:
                 w.outbox.put(wire.packb({"op": "cancel", "id": job.id}))   # it answers, then the job is let go
 
     def queue_size(self) -> int:
@@ -207,14 +183,14 @@ class Pool:
         while self.waiting:
             self._send(w, self.waiting.popleft())
 
-    def _send(self, w: WorkerHandle, job: Ticket, alone: bool = False) -> None:
+    def _send(self, w: WorkerHandle, job: Submission, alone: bool = False) -> None:
         job.state = "sent"
         job.worker = w
         w.jobs[job.id] = job
         if job.forwarded:                       # its first run streamed events that a re-run will repeat
             job.mailbox.put(("event", True, {"event": "restart"}))
             job.forwarded = 0
-        w.outbox.put(wire.packb(dict(job.fields, alone=True)) if alone else job.payload)
+        w.outbox.put(wire.packb(dict(job.fields, alone=True)) if alone else job.wire)
 
     # ------------------------------------------------------------------ from the worker (reader thread)
     def _read(self, w: WorkerHandle) -> None:
@@ -275,7 +251,7 @@ class Pool:
                 + self.sup.options.hang_timeout
             for j in jobs:
                 if j.state == "sent":
-                    j.state = "started"
+                    j.state = "running"
             self.sup.count("batches")
             self.sup.count("requests", len(jobs))
         elif t == "batch_end":
@@ -286,7 +262,7 @@ class Pool:
             if not (isinstance(ev, dict) and ev.get("event") in ("token", "emit", "restart", "error")):
                 return False
             j = w.jobs.get(jid)
-            if j is not None and j.state in ("sent", "started"):
+            if j is not None and j.state in ("sent", "running"):
                 j.forwarded += 1
                 j.mailbox.put(("event", True, ev))
         elif t == "done":
@@ -307,7 +283,7 @@ class Pool:
                         return False
                     value = GenerateResult(value.get("result"), value.get("tokens"), value.get("text"), emitted,
                                            *extras)
-                j.finish(True, value)
+                j.answer(True, value)
             else:
                 error = msg.get("error")
                 status = msg.get("status")
@@ -317,7 +293,7 @@ class Pool:
                          "traceback": [str(x) for x in error.get("traceback") or []][:200],
                          "notes": [str(x) for x in error.get("notes") or []][:50],
                          "kind": str(error.get("kind", "intervention"))[:50]}
-                j.finish(False, RemoteFailure(errors.checked_status(status), error))
+                j.answer(False, RemoteFailure(errors.checked_status(status), error))
             self._dispatch()
         elif t == "oom":
             log.info("worker %s (pid %s): request %s ran out of memory", self.name, w.proc.pid, jid)
@@ -480,23 +456,23 @@ class Pool:
         jobs = [j for j in w.jobs.values() if j.state != "cancelled"]
         w.jobs.clear()
         running = set(w.batch)
-        suspects = [j for j in jobs if j.id in running and j.state == "started"]
+        suspects = [j for j in jobs if j.id in running and j.state == "running"]
         others = [j for j in jobs if j not in suspects]
         blamed = None
         if len(suspects) == 1 and len(w.batch) == 1:        # it ran alone: it is the offender
             blamed = suspects[0]
             sup.count("blamed")
-            blamed.finish(False, failure_for(cause, sup.options, blamed.suspect))
+            blamed.answer(False, failure_for(cause, sup.options, blamed.suspect))
         else:
             for j in suspects:
                 j.suspect = True
             sup.count("reruns", len(suspects))
         for j in reversed(others):
-            j.state = "waiting"
+            j.state = "queued"
             (self.suspects if j.suspect else self.waiting).appendleft(j)
         if blamed is None:
             for j in reversed(suspects):
-                j.state = "waiting"
+                j.state = "queued"
                 self.suspects.appendleft(j)
         self.solo = None
         log.warning("the %s worker process (pid %s) %s; %s", self.name, w.proc.pid, cause.detail,
@@ -533,7 +509,7 @@ class Pool:
     def _fail_waiting(self, exc) -> None:
         for q in (self.waiting, self.suspects):
             while q:
-                q.popleft().finish(False, exc)
+                q.popleft().answer(False, exc)
 
     # ------------------------------------------------------------------ shutdown
     def close(self, timeout: float) -> None:
@@ -545,7 +521,7 @@ class Pool:
             if w is not None:
                 w.doomed = True
                 for j in list(w.jobs.values()):
-                    j.finish(False, BatcherClosed("the server shut down while this request ran"))
+                    j.answer(False, BatcherClosed("the server shut down while this request ran"))
                 w.jobs.clear()
             self.cond.notify_all()
         if w is not None:

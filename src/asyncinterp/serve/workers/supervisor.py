@@ -64,17 +64,19 @@ from ..scheduling.arrivals import Arrivals
 from ..scheduling.arrivals import submitted as arrived
 from ..scheduling.engine_front import front_for
 # the pool and the failures are their own modules; their names stay importable from here
-from .pool import TICK, Pool, Ticket, WorkerHandle, reap  # noqa: F401
+from .pool import TICK, Pool, WorkerHandle, reap  # noqa: F401
+from ..scheduling.submission import NO_ENVELOPE, Envelope, Submission
+from ..jobs.job_wire import served_job
 
 from ..scheduling.worker_failures import (Cause, RemoteFailure, WorkerCrashed, WorkerFailure, WorkerHung,
         WorkerOutOfMemory, WorkerOverran, WorkerUnavailable, cause_of_exit, failure_for)
 
-__all__ = ["Cause", "Pool", "Ticket", "ProcessIsolation", "RemoteFailure", "SupervisedStream", "Supervisor", "TICK",
+__all__ = ["Cause", "Pool", "ProcessIsolation", "RemoteFailure", "SupervisedStream", "Supervisor", "TICK",
            "WorkerCrashed", "WorkerEdit", "WorkerFailure", "WorkerHandle", "WorkerHung", "WorkerOutOfMemory",
            "WorkerOverran", "WorkerSpec", "WorkerUnavailable", "cause_of_exit", "check_forkable", "failure_for", "reap"]
 
 
-def __getattr__(name):   # old names (Job, the ticket): the compatibility table, asyncinterp.moved.RENAMED
+def __getattr__(name):   # old names (Job: a submission): the compatibility table, asyncinterp.moved.RENAMED
     return old_name(__name__, name)
 
 
@@ -283,36 +285,40 @@ class Supervisor(aio.Closable):
                                        f"{timeout or self.options.start_timeout:g} s")
                 time.sleep(0.01)
 
-    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, **kwargs):
+    async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, owner=None,
+                    receipt=None, **kwargs):
         if kwargs:
             raise TypeError(f"a supervised server takes no invoke options ({sorted(kwargs)})")
-        job = self._submit("trace", input, fns, timeout, {})
+        job = self._submit("trace", input, fns, timeout, {}, envelope=Envelope(owner, None, timeout, receipt))
         return await self._wait(job)
 
     async def generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
-                       on_cancel=None, meter=None, **generate_kwargs) -> GenerateResult:
+                       on_cancel=None, meter=None, owner=None, receipt=None, **generate_kwargs) -> GenerateResult:
         job = self._submit("generate", input, fns, timeout, {"max_new_tokens": max_new_tokens,
-                                                               "gen": generate_kwargs, "stream": False})
+                                                               "gen": generate_kwargs, "stream": False},
+                           envelope=Envelope(owner, None, timeout, receipt))
         return await self._wait(job)
 
     def stream_generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
-                        on_cancel=None, meter=None, **generate_kwargs) -> "SupervisedStream":
+                        on_cancel=None, meter=None, owner=None, receipt=None,
+                        **generate_kwargs) -> "SupervisedStream":
         job = self._submit("generate", input, fns, timeout, {"max_new_tokens": max_new_tokens,
-                                                               "gen": generate_kwargs, "stream": True})
+                                                               "gen": generate_kwargs, "stream": True},
+                           envelope=Envelope(owner, None, timeout, receipt))
         return SupervisedStream(job)
 
-    async def job(self, data: bytes, *, code: bool, timeout: float | None = None, inputs=None):
+    async def job(self, data: bytes, *, code: bool, timeout: float | None = None, inputs=None, owner=None):
         """A remote job (``POST /v1/jobs``, already checked by the server): a worker rebuilds and runs it whole;
         returns its answer's ``results`` (one entry per invoke, see :mod:`.jobs_api`). ``code``: it has
         captured functions (the code pool runs it); ``inputs``: its prompts as the server tokenized them."""
-        return await self._wait(self._submit_job(data, code, timeout, False, inputs))
+        return await self._wait(self._submit_job(data, code, timeout, False, inputs, owner))
 
     def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None,
-                   inputs=None) -> "SupervisedStream":
+                   inputs=None, owner=None) -> "SupervisedStream":
         """:meth:`job` as a stream of its invokes' events, then ``done`` with the results."""
-        return SupervisedStream(self._submit_job(data, code, timeout, True, inputs))
+        return SupervisedStream(self._submit_job(data, code, timeout, True, inputs, owner))
 
-    def _submit_job(self, data, code, timeout, stream, inputs=None) -> Ticket:
+    def _submit_job(self, data, code, timeout, stream, inputs=None, owner=None) -> Submission:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -320,11 +326,12 @@ class Supervisor(aio.Closable):
         timeout = float(self.server.timeout if timeout is None else timeout)
         pool = self.pools["code" if code and "code" in self.pools else "trusted"]
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
-        ticket = Ticket("job", {"job": data, "stream": stream, "inputs": inputs}, timeout,
-                        min(self.server.code_budget, timeout) if code else 0.0, guard)
-        arrived()   # before the ticket: in the worker it is on its way until submitted there (Worker._arriving)
-        pool.submit(ticket)
-        return ticket
+        sub = Submission.for_worker("job", {"job": data, "stream": stream, "inputs": inputs}, timeout=timeout,
+                                    budget=min(self.server.code_budget, timeout) if code else 0.0, guard=guard,
+                                    stream=stream, envelope=Envelope(owner, None, timeout))
+        arrived()   # before it is sent: in the worker it is on its way until submitted there (Worker._arriving)
+        pool.submit(sub)
+        return sub
 
     async def session(self, body: dict, timeout: float | None = None):
         """Run a session (:mod:`.sessions`) in the worker that runs submitted code; returns its result."""
@@ -347,7 +354,7 @@ class Supervisor(aio.Closable):
             p.close(timeout)
 
     # ------------------------------------------------------------------ internals
-    def _submit(self, kind, input, fns, timeout, fields, submitted=None) -> Ticket:
+    def _submit(self, kind, input, fns, timeout, fields, submitted=None, envelope=NO_ENVELOPE) -> Submission:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -368,15 +375,18 @@ class Supervisor(aio.Closable):
         # limits and the hard deadlines end every request well before
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
         if edits:
-            fields = dict(fields, edits=edits)
             pool.edits_installed(edits)
-        job = Ticket(kind, dict(fields, input=input, spec=spec.spec if spec is not None else None), timeout, budget,
-                  guard)
+        if kind != "session":   # the request as a job in the wire form: what the worker reads (job_wire.read_job)
+            generation = dict(fields["gen"], max_new_tokens=fields["max_new_tokens"]) if kind == "generate" else {}
+            specs = [{"edit": name} for name in edits] + ([spec.spec] if spec is not None else [])
+            fields = {"job": served_job(kind, input, specs, generation), "stream": fields.get("stream", False)}
+        job = Submission.for_worker(kind, fields, timeout=timeout, budget=budget, guard=guard,
+                                    stream=bool(fields.get("stream")), envelope=envelope)
         arrived()
         pool.submit(job)
         return job
 
-    async def _wait(self, job: Ticket):
+    async def _wait(self, job: Submission):
         try:
             while True:
                 kind, ok, value = await _next(job)
@@ -390,7 +400,7 @@ class Supervisor(aio.Closable):
         return value
 
 
-async def _next(job: Ticket):
+async def _next(job: Submission):
     with aio.fail_at(job.guard):
         return await job.mailbox.get()
 
@@ -398,7 +408,7 @@ async def _next(job: Ticket):
 class SupervisedStream(EventStream):
     """Async iterator over a streaming generation's events, as :class:`~.batcher.GenerationStream`."""
 
-    def __init__(self, job: Ticket):
+    def __init__(self, job: Submission):
         self.job = job
 
     def _next(self):

@@ -51,6 +51,8 @@ import threading
 from ... import aio
 from . import confine, worker_results, worker_start
 from ..jobs import errors
+from ..jobs.job_wire import read_job
+from ..scheduling.submission import Envelope
 from ...client import wire
 from ..scheduling.batcher import Batcher, Meter
 from .channel import Channel
@@ -276,16 +278,15 @@ class Worker:
         jid = msg["id"]
         kind = msg["kind"]
         timeout = float(msg["timeout"])
-        try:
-            fn, on_cancel, _, meter = self.server.bind_intervention(msg.get("spec"), timeout,
-                                                                    required=kind == "trace")
-            edits = self._edits(msg.get("edits") or ())
-        except _ERRORS as exc:   # the server checked the spec already: unexpected, but only this request fails
-            self._reply(self._failure(jid, exc))
-            return
+        job = on_cancel = meter = None
+        if kind == "trace" or kind == "generate":
+            try:
+                job, on_cancel, meter = self._read(msg["job"], timeout)
+            except _ERRORS as exc:   # the server checked the job already: unexpected, but only this request fails
+                self._reply(self._failure(jid, exc))
+                return
         meter = meter if meter is not None else Meter()
         self.tags[meter] = jid
-        fns = edits + (() if fn is None else (fn,))     # the model name's edits first, as in process
         alone = bool(msg.get("alone"))
         if alone:       # the server sends nothing else until it is answered: no company will come
             self.batcher.max_wait = 0.0
@@ -293,7 +294,7 @@ class Worker:
         with aio.cancel_scope() as scope:
             self.scopes[jid] = scope
             try:
-                reply = await self._call(jid, kind, msg, fns, timeout, on_cancel, meter)
+                reply = await self._call(jid, kind, msg, job, timeout, Envelope(None, meter, timeout, None, on_cancel))
             except _ERRORS as exc:
                 reply = self._failure(jid, exc)
             finally:
@@ -307,15 +308,27 @@ class Worker:
                      "error": {"type": "Cancelled", "message": "cancelled", "traceback": [], "notes": []}}
         self._reply(reply)
 
-    def _edits(self, names) -> tuple:
-        """The functions of the named edits ``names`` (:mod:`.model_names`), as installed when this worker started."""
-        installed = self.server.names.edits
-        missing = [n for n in names if n not in installed]
-        if missing:   # the supervisor replaces a worker started before an edit was installed: unexpected
-            raise LookupError(f"this worker process has no edit named {', '.join(map(repr, missing))}")
-        return tuple(installed[n].fn for n in names)
+    def _read(self, data: bytes, timeout: float):
+        """A request's job as the server sent it (:func:`~..jobs.job_wire.served_job`), its interventions bound
+        here: ``(job parts, on_cancel, meter)`` (the meter and canceller of its submitted code, if any)."""
+        bound = {}
 
-    async def _call(self, jid, kind, msg, fns, timeout, on_cancel, meter):
+        def bind(spec):
+            fn, on_cancel, _, meter = self.server.bind_intervention(spec, timeout)
+            if meter is not None:
+                bound.update(on_cancel=on_cancel, meter=meter)
+            return fn
+        job = read_job(data, compile=bind, named=bind, edit=self._edit)
+        return job, bound.get("on_cancel"), bound.get("meter")
+
+    def _edit(self, name):
+        """The function of the named edit ``name`` (:mod:`.model_names`), as installed when this worker started."""
+        edit = self.server.names.edits.get(name)
+        if edit is None:   # the supervisor replaces a worker started before an edit was installed: unexpected
+            raise LookupError(f"this worker process has no edit named {name!r}")
+        return edit.fn
+
+    async def _call(self, jid, kind, msg, job, timeout, envelope):
         batcher = self.batcher
         if kind == "job":   # a remote job: rebuilt here (sandboxed) and run whole (see jobs_api)
             from ..jobs import jobs_api
@@ -329,13 +342,10 @@ class Worker:
             finally:
                 self.tags.pop(run.clock, None)
         if kind == "trace":
-            value = await batcher.trace(msg["input"], *fns, timeout=timeout, on_cancel=on_cancel, meter=meter)
+            value = await batcher.answer(batcher.start(job, envelope, single=True), timeout)
             return {"t": "done", "id": jid, "ok": True, "value": value}
-        n = msg["max_new_tokens"]
-        gen = msg.get("gen") or {}
         if msg.get("stream"):
-            stream = batcher.stream_generate(msg["input"], *fns, max_new_tokens=n, timeout=timeout,
-                                             on_cancel=on_cancel, meter=meter, **gen)
+            stream = batcher.events(batcher.start(job, envelope, single=True, stream=True), timeout)
             try:
                 async for ev in stream:
                     if ev["event"] == "done":
@@ -343,9 +353,7 @@ class Worker:
                     self._event(jid, ev)
             finally:
                 await stream.aclose()
-        g = await batcher.generate(msg["input"], *fns, max_new_tokens=n, timeout=timeout, on_cancel=on_cancel,
-                                   meter=meter, **gen)
-        return _generated(jid, g)
+        return _generated(jid, await batcher.answer(batcher.start(job, envelope, single=True), timeout))
 
     def _event(self, jid, ev) -> None:
         try:

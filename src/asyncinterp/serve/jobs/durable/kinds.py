@@ -37,6 +37,7 @@ from .. import jobs_api
 from ..errors import RequestFailed
 from ...sandbox.rebuild_sandbox import Sandboxed
 from ...scheduling.requests import Meter
+from ...scheduling.submission import Envelope
 from ..sessions import load_session
 
 __all__ = ["KINDS", "register_kind", "job_kind"]
@@ -58,12 +59,12 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
                         copies=not server.supervised) if server.allow_code else None
     job = await jobs_api.load_job_async(server, data, sandbox, timeout)
-    invokes, options = jobs_api.checked_job(server, job)
-    total = options.get("max_new_tokens")
+    checked = jobs_api.checked_job(server, job)
+    total = checked.generation.get("max_new_tokens")
     if server.supervised:
         code = any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
         events = server.batcher.stream_job(data, code=code, timeout=timeout,
-                                           inputs=jobs_api.tokenized_of(job, invokes))   # tokenized once, here
+                                           inputs=jobs_api.tokenized_of(job, checked))   # tokenized once, here
         encode = None
     else:
         meter, on_cancel = Meter(), None
@@ -72,11 +73,11 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
 
             def on_cancel():
                 sandbox.clock.cancelled = True
-        events = server.batcher.stream_group(job.kind, invokes, timeout=timeout, on_cancel=on_cancel, meter=meter,
-                                             on_error=job.on_error, **options)
+        sub = server.batcher.start(checked, Envelope(None, meter, timeout, None, on_cancel), stream=True)
+        events = server.batcher.events(sub, timeout)
         encode = job.kind
     steps = {}
-    progress({"phase": "forward", "invokes": len(invokes)})
+    progress({"phase": "forward", "invokes": len(checked.invokes)})
     try:
         async for ev in events:
             if ev["event"] == "done":
@@ -84,7 +85,8 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
                 return {"ok": True, "results": results}
             if ev["event"] == "token":
                 steps[ev.get("invoke", 0)] = ev.get("step", 0) + 1
-                progress({"phase": "generating", "step": min(steps.values()), "of": total, "invokes": len(invokes)})
+                progress({"phase": "generating", "step": min(steps.values()), "of": total,
+                          "invokes": len(checked.invokes)})
     finally:
         await events.aclose()
     raise RequestFailed("internal", "the job's stream ended without its answer")

@@ -29,7 +29,8 @@ from . import quotas as quota_checks
 from .kinds import job_kind
 from .runner import Runner
 from .status import describe
-from .store import JobStore, NewJob, owner_of
+from .store import JobStore, NewJob
+from ..owners import caller_key, owner_of  # noqa: F401 (caller_key: its home was here)
 
 __all__ = ["DurableConfig", "Durable", "caller_key"]
 
@@ -51,16 +52,6 @@ class DurableConfig:
     file_ttl: float | None = 30 * 86400.0     # uploaded files and batch outputs (OpenAI's expires_after overrides)
     job_timeout: float | None = None          # a kept job's time limit (default: the server's --timeout)
     quotas: quota_checks.Quotas = dataclasses.field(default_factory=quota_checks.Quotas)
-
-
-def caller_key(request) -> str | None:
-    """The API key a request carries (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``)."""
-    got = request.headers.get("x-api-key")
-    if got is None:
-        auth = request.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            got = auth[7:].strip()
-    return got or None
 
 
 class Durable:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
+
 import logging
 import os
 import pathlib
@@ -34,6 +34,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from ..errors import status_of
+from ..owners import owner_of  # noqa: F401 (its home was here)
 from . import migrations, results
 from .schema import CANCELLED, FAILED, FINAL, QUEUED, RUNNING, jobs
 
@@ -41,11 +42,6 @@ __all__ = ["JobStore", "NewJob", "owner_of", "new_id", "database_url"]
 
 log = logging.getLogger("asyncinterp.serve.jobs")
 INLINE_BYTES = 64 * 1024
-
-
-def owner_of(api_key: str | None) -> str:
-    """What the store keeps of an API key: its sha256 (hex), ``""`` for a server without keys."""
-    return hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest() if api_key else ""
 
 
 def new_id() -> str:
