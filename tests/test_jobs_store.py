@@ -3,6 +3,7 @@ claims as compare-and-set (two servers, one winner), leases that expire and rest
 results written once (tensors bit-exact through JSON + safetensors), cancel, delete, expiry, quotas' counts."""
 
 import asyncio
+import time
 
 import pytest
 import sqlalchemy as sa
@@ -12,7 +13,7 @@ from asyncinterp.serve.jobs.durable import migrations
 from asyncinterp.serve.jobs.durable.store import JobStore, NewJob, owner_of
 from pg_helpers import PostgresServer
 
-A, B = owner_of("key-a"), owner_of("key-b")
+A, B, C = owner_of("key-a"), owner_of("key-b"), owner_of("key-c")
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,10 @@ def test_cancel_delete_expire_and_usage(store):
         await s.claim("w", 50.0, now=7.0)
         await s.finish(done, "w", "succeeded", result="x" * 100, now=9.0, ttl=100.0)
         usage = await s.usage(A, since=0.0, now=10.0)
+        await s.submit(NewJob(C, "trace", b"c1", 30.0), now=9.5)
+        await s.submit(NewJob(C, "trace", b"c2", 30.0), now=9.6)
+        await s.claim("w", 50.0, now=9.7)         # c1 runs, c2 waits
+        usage_c = await s.usage(C, since=0.0, now=10.0)
         page1 = await s.list(A, limit=2)
         page2 = await s.list(A, limit=2, before=(page1[-1]["created_at"], page1[-1]["id"]))
         listed_b = await s.list(B)
@@ -128,11 +133,13 @@ def test_cancel_delete_expire_and_usage(store):
         expired = await s.expire(now=20.0)        # the cancelled job's ttl ran out
         left = [r["id"] for r in await s.list(A)]
         await s.close()
-        return usage, page1, page2, listed_b, expired, left, (queued, running, done)
-    usage, page1, page2, listed_b, expired, left, (queued, running, done) = run(go())
+        return usage, usage_c, page1, page2, listed_b, expired, left, (queued, running, done)
+    usage, usage_c, page1, page2, listed_b, expired, left, (queued, running, done) = run(go())
     assert [r["id"] for r in page1] == [done, running] and [r["id"] for r in page2] == [queued]
     assert listed_b == [] and expired == 1 and left == [queued]
     assert usage["compute_seconds"] == pytest.approx(2.0 + 2.0) and usage["result_bytes"] > 100
+    assert usage["queued"] == 0 and usage["oldest_finished"] == 5.0 and usage["next_expiry"] == 109.0
+    assert usage_c["queued"] == 1 and usage_c["compute_seconds"] == pytest.approx(0.3)   # c1 running since 9.7
 
 
 def test_a_job_whose_server_keeps_dying_fails_and_cancelled_ones_expire(store):
@@ -154,3 +161,34 @@ def test_a_job_whose_server_keeps_dying_fails_and_cancelled_ones_expire(store):
     assert row["state"] == "failed" and row["error"]["type"] == "JobLost" and len(row["restarts"]) == 2
     assert cancelled["error"]["type"] == "RunCancelled" and cancelled["expires_at"] == 107.0
     assert removed == 2
+
+
+def test_replicas_with_skewed_clocks_share_the_databases_clock(postgres, tmp_path):
+    # two replicas on one PostgreSQL: the second one's clock runs 30 s ahead. Leases are on the database's
+    # clock, so it neither takes over the first one's job (whose 10 s lease has not run out) nor keeps a lease
+    # 30 s too long; times it writes are the database's.
+    async def go():
+        async def fresh():
+            s = await JobStore.open(postgres, tmp_path)
+            async with s.engine.begin() as conn:
+                await conn.run_sync(_drop_all)
+            await s.close()
+        await fresh()
+        a = await JobStore.open(postgres, tmp_path)
+        b = await JobStore.open(postgres, tmp_path)
+        b.clock = lambda: time.time() + 30.0          # a replica whose clock is wrong by 30 s
+        await b.sync_clock()
+        jid = await a.submit(NewJob(A, "trace", b"x", 30.0))
+        [row] = await a.claim("replica-a", 10.0)
+        taken_by_b = await b.claim("replica-b", 10.0)
+        unsynced = JobStore(b.engine, None)          # the same replica without the database's clock
+        unsynced.clock = b.clock
+        taken_unsynced = await unsynced.claim("replica-c", 10.0)
+        skew = (a.offset, b.offset)
+        await a.close()
+        await b.close()
+        return row, taken_by_b, taken_unsynced, skew, jid
+    row, taken_by_b, taken_unsynced, (off_a, off_b), jid = run(go())
+    assert row["id"] == jid and taken_by_b == []
+    assert abs(off_b - off_a + 30.0) < 1.0           # measured: 30 s behind its own clock
+    assert [r["id"] for r in taken_unsynced] == [jid]   # what its own clock would have done: run it twice at once

@@ -87,6 +87,13 @@ def test_a_100_line_batch_answers_each_line_as_the_synchronous_endpoint(server, 
                                                  ("c-17", "c-42")]              # written in input order
     assert {x["custom_id"]: x["response"]["status_code"] for x in errors} == {"c-17": 400, "c-42": 404}
     check_against_sync(server, lines, output, errors)
+    # OpenAI's usage (the answered lines' tokens, each equal to its synchronous answer's) and model
+    used = [x["response"]["body"]["usage"] for x in output]
+    assert b.usage.input_tokens == sum(u["prompt_tokens"] for u in used) > 0
+    assert b.usage.output_tokens == sum(u["completion_tokens"] for u in used) == 6 * 98
+    assert b.usage.total_tokens == b.usage.input_tokens + b.usage.output_tokens
+    assert (b.usage.input_tokens_details.cached_tokens, b.usage.output_tokens_details.reasoning_tokens) == (0, 0)
+    assert b.model == f"{MODEL},{EDIT},{MODEL}:nope"          # the models its lines name, in order of first use
     first = {x["custom_id"]: x["response"]["body"] for x in output}
     assert first["c-2"]["choices"][0]["logprobs"]["top_logprobs"]           # logprobs came through
     assert first["c-3"]["asyncinterp"]["result"]["ids"]                     # and the intervention's result
@@ -113,6 +120,8 @@ def test_a_chat_batch_with_an_edit_and_logprobs(server, client):
     assert "stream" in errors[0]["response"]["body"]["error"]["message"]
     del lines[5]
     check_against_sync(server, lines, output, [])
+    assert b.model == f"{MODEL},{EDIT}"
+    assert b.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in output) > 0
     assert output[0]["response"]["body"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
 
 

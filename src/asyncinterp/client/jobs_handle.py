@@ -210,9 +210,12 @@ class _Bar:
         p = st.progress or {}
         if p.get("of") and self.bar.total != p["of"]:
             self.bar.total = p["of"]
-        if "step" in p:
-            self.bar.n = p["step"]
-        note = st.state + (f", attempt {st.attempts}" if st.attempts > 1 else "")
+        for count in (p.get("step"), p.get("done"), (p.get("completed") or 0) + (p.get("failed") or 0) or None):
+            if count is not None:          # a generation's steps, a session's traces, a batch's lines
+                self.bar.n = count
+                break
+        note = st.state + (f" ({p['phase']})" if st.state == "running" and p.get("phase") else "") + \
+            (f", attempt {st.attempts}" if st.attempts > 1 else "")
         self.bar.set_postfix_str(note, refresh=False)
         self.bar.refresh()
 

@@ -93,10 +93,7 @@ async def _jobs(server, request):
                             copies=not server.supervised) if server.allow_code else None
         # a small job is checked here (a source seen before is checked once per process: well under a
         # millisecond); a large one in a thread, so that the event loop (health checks, other requests) stays free
-        if len(data) <= INLINE_CHECK_BYTES:
-            job = _load(server, data, sandbox, timeout)
-        else:
-            job = await aio.to_thread(_load, server, data, sandbox, timeout)
+        job = await load_job_async(server, data, sandbox, timeout)
         checked = _checked(server, job)
         fields.update(kind=job.kind, invokes=len(checked.invokes), intervention="job")
         if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
@@ -213,6 +210,14 @@ def _load(server, data, sandbox, timeout):
         raise RequestFailed("request", f"this job cannot be read: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - anything else while defining the captured functions
         raise RequestFailed("refused", f"captured code failed to load: {type(exc).__name__}: {exc}") from None
+
+
+async def load_job_async(server, data, sandbox, timeout):
+    """:func:`_load` on the event loop for a small job (a source seen before is checked once per process: well
+    under a millisecond), in a thread for a large one, so that the event loop stays free."""
+    if len(data) <= INLINE_CHECK_BYTES:
+        return _load(server, data, sandbox, timeout)
+    return await aio.to_thread(_load, server, data, sandbox, timeout)
 
 
 def _tokenized(job, checked) -> list:

@@ -45,6 +45,7 @@ from ...client import wire
 from .durable.hook import submit_kept
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
+from ..sandbox.checker import AST_LOCK
 from ..sandbox.rebuild import DescriptionRefused, DescriptionTooLarge, check_size, intervention, rebuild
 from ..sandbox.rebuild_sandbox import Sandboxed
 from ..sandbox import SandboxRefused
@@ -67,12 +68,17 @@ class SessionModel:
     by its deadline; interventions must be functions of the session's own (checked) code.
     """
 
-    __slots__ = ("_server", "_batcher", "_clock", "_deadline", "_grad")
+    __slots__ = ("_server", "_batcher", "_clock", "_deadline", "_grad", "_finished")
 
-    def __init__(self, server, batcher, clock, deadline: float, grad: bool):
+    def __init__(self, server, batcher, clock, deadline: float, grad: bool, finished=None):
         for k, v in (("_server", server), ("_batcher", batcher), ("_clock", clock), ("_deadline", deadline),
-                     ("_grad", grad)):
+                     ("_grad", grad), ("_finished", finished)):
             object.__setattr__(self, k, v)
+
+    def _done(self, what: str) -> None:
+        finished = object.__getattribute__(self, "_finished")
+        if finished is not None:      # a kept job's progress (serve/jobs/durable/kinds.py)
+            finished(what)
 
     def __setattr__(self, key, value):
         raise AttributeError("the session's model is read-only")
@@ -122,6 +128,7 @@ class SessionModel:
         batcher = object.__getattribute__(self, "_batcher")
         clock = object.__getattribute__(self, "_clock")
         value = await batcher.trace(x, *entries, timeout=self._timeout(), on_cancel=_canceller(clock), meter=clock)
+        self._done("traces")
         return sanitize(value)
 
     async def agenerate(self, input, *fns, max_new_tokens: int = 20):
@@ -139,6 +146,7 @@ class SessionModel:
         clock = object.__getattribute__(self, "_clock")
         g = await batcher.generate(x, *entries, max_new_tokens=max_new_tokens, timeout=self._timeout(),
                                    on_cancel=_canceller(clock), meter=clock)
+        self._done("generations")
         import torch
         tokens = g.tokens[0] if g.tokens and isinstance(g.tokens[0], list) and len(g.tokens) == 1 else g.tokens
         return Record(result=sanitize(g.result), tokens=sanitize(torch.tensor(tokens)),
@@ -161,17 +169,20 @@ def _uses_gradients(description) -> bool:
     import ast
     for entry in description.get("functions") or []:
         try:
-            if needs_grad(ast.parse(entry.get("source") or "")):
+            with AST_LOCK:
+                tree = ast.parse(entry.get("source") or "")
+            if needs_grad(tree):
                 return True
         except SyntaxError:
             return False     # rebuild refuses it with the reason
     return False
 
 
-def load_session(server, body: dict, batcher, timeout: float, check_only: bool = False):
+def load_session(server, body: dict, batcher, timeout: float, check_only: bool = False, finished=None):
     """A session request's function, checked and compiled as submitted code: ``run()`` runs it (a coroutine
     function returning its released result). Refusals (400) come before any model work. ``check_only``: the
-    session runs elsewhere (a worker process loads it again), so no private copies of its values are made."""
+    session runs elsewhere (a worker process loads it again), so no private copies of its values are made.
+    ``finished("traces" | "generations")`` is called as each of its traces and generations ends."""
     description, spec = body.get("capture"), body.get("session")
     if not isinstance(description, dict) or not isinstance(spec, dict):
         raise RequestFailed("request", "a session needs 'capture' (the captured functions) and 'session' "
@@ -196,7 +207,7 @@ def load_session(server, body: dict, batcher, timeout: float, check_only: bool =
         raise RequestFailed("refused", f"the session failed to load: {type(exc).__name__}: {exc}") from None
     if isinstance(fn, functools.partial):      # captured keywords: private copies, as every captured value
         fn = functools.partial(fn.func, **{k: compile_source.private(v) for k, v in fn.keywords.items()})
-    model = SessionModel(server, batcher, clock, deadline, grad)
+    model = SessionModel(server, batcher, clock, deadline, grad, finished)
 
     async def run():
         try:

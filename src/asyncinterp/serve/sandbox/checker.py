@@ -12,10 +12,17 @@ checks them where they are read (see :mod:`.instrumentation`).
 from __future__ import annotations
 
 import ast
+import threading
 
 from ...client import policy
 from .errors import SandboxRefused
 from .operations import STATIC_DENIED_OPS
+
+#: CPython 3.11 and 3.12 count the depth of their AST conversions in one counter per interpreter, not per
+#: thread, so two threads parsing or compiling at once can fail with "AST constructor recursion depth
+#: mismatch" (CPython gh-106905): submitted code is parsed and compiled holding this lock (the event loop
+#: checks small jobs while worker threads load sessions and large jobs).
+AST_LOCK = threading.RLock()
 
 
 def _where(node) -> str:
@@ -223,7 +230,8 @@ def check_source(source: str) -> ast.Module:
         elif ch in ")]}":
             depth -= 1
     try:
-        tree = ast.parse(source, mode="exec")
+        with AST_LOCK:
+            tree = ast.parse(source, mode="exec")
     except SyntaxError as exc:
         raise SandboxRefused(f"submitted code does not parse: {exc.msg} (line {exc.lineno})") from None
     except (ValueError, RecursionError, MemoryError) as exc:

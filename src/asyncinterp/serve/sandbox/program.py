@@ -17,7 +17,7 @@ import torch
 
 from ...client import policy
 from ...lru import LRU
-from .checker import check_source
+from .checker import AST_LOCK, check_source
 from .clock import Clock
 from .driver import Driven
 from .envoys import SafeEnvoy, setpoint
@@ -59,7 +59,8 @@ class Program:
         self.filename = f"{SUBMITTED_PREFIX}{entry}:{digest}>"
         self.source = source
         self.needs_grad = needs_grad(tree)    # it names a gradient: it runs in forward passes with autograd on
-        self.code = compile(instrument(tree), self.filename, "exec")
+        with AST_LOCK:
+            self.code = compile(instrument(tree), self.filename, "exec")
         linecache.cache[self.filename] = (len(source), None, source.splitlines(True), self.filename)
 
     def check_params(self, params: dict) -> None:

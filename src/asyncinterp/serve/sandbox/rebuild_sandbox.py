@@ -27,7 +27,7 @@ import torch
 from ...client import policy
 from ...lru import LRU
 from ...kernel.futures import Future
-from .checker import check_source
+from .checker import AST_LOCK, check_source
 from .clock import Clock
 from .driver import Driven
 from .envoys import SafeEnvoy, setpoint
@@ -110,7 +110,10 @@ class _CheckedSources:
         hit = self.items.get(source)
         if hit is None:
             tree = check_source(source)
-            hit = self.items.put(source, (compile(instrument(tree), _UNFILED, "exec"), needs_grad(tree)))
+            grad = needs_grad(tree)
+            with AST_LOCK:
+                code = compile(instrument(tree), _UNFILED, "exec")
+            hit = self.items.put(source, (code, grad))
         return hit
 
 

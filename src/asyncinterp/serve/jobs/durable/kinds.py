@@ -9,6 +9,18 @@ checks, sandbox, batching, answer), so each kind here calls the code of its endp
 * ``session``: a captured ``async def session(model)`` (:mod:`..sessions`); the answer is
   ``{"ok": true, "result": value}``.
 
+Each kind reports its progress (``progress(dict)``; shown as the status' ``progress``), always with a
+``phase``:
+
+* trace: ``{"phase": "loading"}`` (its code rebuilt through the sandbox), then ``{"phase": "forward",
+  "invokes": n}`` (in the batcher: waiting for, or in, its forward pass);
+* generation: ``loading``, ``forward``, then ``{"phase": "generating", "step", "of", "invokes"}`` at
+  every token (``step``: tokens every invoke has, ``of``: ``max_new_tokens``);
+* session: ``loading``, then ``{"phase": "running", "traces", "generations", "done"}`` (its traces and
+  generations finished so far: a session's code decides how many there will be); on a server whose
+  code runs in worker processes only ``{"phase": "running"}``;
+* batch (:mod:`...openai.batches.runner`): ``{"phase": "in_progress", "completed", "failed", "of"}``.
+
 A runner is ``async def run(server, body, timeout, progress) -> answer``; it raises as the endpoint
 would (the error map and status are the endpoint's, :mod:`..errors`). :func:`register_kind` adds one
 (e.g. a batch of OpenAI requests). Each run starts from the job's wire form, so a job run again after
@@ -41,11 +53,12 @@ def job_kind(obj) -> str:
 
 
 async def run_job(server, body: bytes, timeout: float, progress) -> dict:
+    progress({"phase": "loading"})
     obj = server.decode_body(body)
     data = obj["job"]
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
                         copies=not server.supervised) if server.allow_code else None
-    job = await aio.to_thread(jobs_api.load_job, server, data, sandbox, timeout)
+    job = await jobs_api.load_job_async(server, data, sandbox, timeout)
     checked = jobs_api.checked_job(server, job)
     total = checked.generation.get("max_new_tokens")
     if server.supervised:
@@ -64,6 +77,7 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
         events = server.batcher.events(sub, timeout)
         encode = job.kind
     steps = {}
+    progress({"phase": "forward", "invokes": len(checked.invokes)})
     try:
         async for ev in events:
             if ev["event"] == "done":
@@ -71,7 +85,8 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
                 return {"ok": True, "results": results}
             if ev["event"] == "token":
                 steps[ev.get("invoke", 0)] = ev.get("step", 0) + 1
-                progress({"step": min(steps.values()), "of": total, "invokes": len(checked.invokes)})
+                progress({"phase": "generating", "step": min(steps.values()), "of": total,
+                          "invokes": len(checked.invokes)})
     finally:
         await events.aclose()
     raise RequestFailed("internal", "the job's stream ended without its answer")
@@ -81,11 +96,20 @@ async def run_session(server, body: bytes, timeout: float, progress) -> dict:
     if not server.allow_code:
         raise RequestFailed("refused", "this server does not accept submitted code (start it with --allow-code), "
                                        "so it runs no sessions")
+    progress({"phase": "loading"})
     obj = server.decode_body(body)
-    run = await aio.to_thread(load_session, server, obj, server.batcher, timeout, server.supervised)
-    if server.supervised:
+    done = {"phase": "running", "traces": 0, "generations": 0, "done": 0}
+
+    def finished(what):           # a trace or generation of the session finished (on the event loop)
+        done[what] += 1
+        done["done"] += 1
+        progress(dict(done))
+    run = await aio.to_thread(load_session, server, obj, server.batcher, timeout, server.supervised, finished)
+    if server.supervised:         # its worker process runs it: no count from there
+        progress({"phase": "running"})
         value = await server.batcher.session(obj, timeout)
     else:
+        progress(dict(done))
         value = await run()
     return {"ok": True, "result": value}
 

@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--job-concurrency", type=int, default=8, metavar="N", help="kept jobs run at once (default 8)")
     g.add_argument("--job-ttl", type=float, default=7 * 86400.0, metavar="S",
                    help="seconds a finished job's result is kept (default 7 days)")
+    g.add_argument("--file-ttl", type=float, default=30 * 86400.0, metavar="S",
+                   help="seconds an uploaded file (and a batch's output) is kept unless its upload names "
+                        "expires_after (default 30 days, OpenAI's)")
     g.add_argument("--job-timeout", type=float, default=None, metavar="S",
                    help="time limit of one kept job (default: --timeout)")
     g.add_argument("--quota-queued", type=int, default=100, metavar="N", help="queued jobs per key (default 100)")
@@ -57,6 +60,7 @@ def config_of(args):
     from .service import DurableConfig
     return DurableConfig(state_dir=state_dir, database=database, admin_keys=tuple(_admin_keys(args)),
                          lease=args.job_lease, max_attempts=args.job_max_attempts, concurrency=args.job_concurrency, ttl=args.job_ttl,
+                         file_ttl=args.file_ttl,
                          job_timeout=args.job_timeout,
                          quotas=Quotas(queued=args.quota_queued, running=args.quota_running,
                                        compute_seconds_per_hour=args.quota_compute_seconds,

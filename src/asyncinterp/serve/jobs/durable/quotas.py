@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 from ..errors import RequestFailed
-from .schema import QUEUED
 
 __all__ = ["Quotas", "check"]
 
@@ -46,15 +44,14 @@ def _refuse(name, message, retry_after) -> RequestFailed:
 
 async def check(store, owner: str, quotas: Quotas, now: float | None = None) -> None:
     """Refuse (429) a new job of ``owner`` that a quota does not allow."""
-    now = time.time() if now is None else now
-    if quotas.queued is not None:
-        n = await store.count(owner, (QUEUED,))
-        if n >= quotas.queued:
-            raise _refuse("queued", f"this key has {n} jobs queued, at most {quotas.queued}; wait for some to "
-                                    "start, or cancel some (DELETE /v1/jobs/ID)", 5)
-    if quotas.compute_seconds_per_hour is None and quotas.result_bytes is None:
+    now = store.now() if now is None else now
+    if quotas.queued is None and quotas.compute_seconds_per_hour is None and quotas.result_bytes is None:
         return
-    usage = await store.usage(owner, now - HOUR, now)
+    usage = await store.usage(owner, now - HOUR, now)       # one query
+    n = usage["queued"]
+    if quotas.queued is not None and n >= quotas.queued:
+        raise _refuse("queued", f"this key has {n} jobs queued, at most {quotas.queued}; wait for some to "
+                                "start, or cancel some (DELETE /v1/jobs/ID)", 5)
     limit = quotas.compute_seconds_per_hour
     if limit is not None and usage["compute_seconds"] >= limit:
         oldest = usage["oldest_finished"]

@@ -9,6 +9,8 @@
   next hook point and ends as cancelled; a finished one is removed with its result;
 * ``GET /v1/jobs/{id}/events`` — server-sent events: ``status`` whenever the state, progress or attempt
   changes, ending with the final state (or ``timeout`` after ``?timeout=`` seconds, 300 by default).
+  The changes of a job this process runs are pushed as they happen (:mod:`.changes`); a job another
+  replica may run (a shared PostgreSQL store) is read from the store every ``POLL_S``.
 
 A job is visible to the key that submitted it only: for any other key (the admin's list and status
 aside) it does not exist (``404``, as for an id that was never issued). Submissions are ``POST /v1/jobs``
@@ -28,13 +30,15 @@ from starlette.routing import Route
 from ....client import wire
 from .. import errors
 from ..errors import RequestFailed
-from .schema import FINAL
+from .changes import POLL_S
+from .schema import FINAL, RUNNING
 from .status import describe
 
 __all__ = ["routes"]
 
 MSGPACK = "application/msgpack"
 STREAM_LIMIT = 3600.0
+PUSHED_FALLBACK_S = 5.0     # a stream whose job's changes are pushed still reads the store this often
 
 
 def routes(server) -> list:
@@ -143,27 +147,39 @@ async def _events(server, request):
             limit = min(float(request.query_params.get("timeout", 300)), STREAM_LIMIT)
         except ValueError:
             raise RequestFailed("request", "timeout is a number of seconds") from None
-        store, owner = server.durable.store, row["owner"]
+        durable = server.durable
+        store, owner, jid = durable.store, row["owner"], row["id"]
+        runner = durable.runner
+        changes = runner.changes
+        # a store only this process uses (SQLite) has its every change pushed here; a shared one (PostgreSQL,
+        # replicas) is also read every POLL_S while the job is not running here: another replica may run it
+        shared = store.dialect != "sqlite"
 
         async def stream():
-            last, current, waited = None, row, 0.0
+            last, current = None, row
+            deadline = asyncio.get_running_loop().time() + limit
             while True:
-                view = describe(current) if current is not None else None
-                key = None if view is None else (view["state"], json.dumps(view["progress"]), view["attempts"])
-                if view is None:
-                    yield _sse("error", {"error": _missing(row["id"]).error})
+                if current is None:
+                    yield _sse("error", {"error": _missing(jid).error})
                     return
+                view = describe(current)
+                key = (view["state"], json.dumps(view["progress"]), view["attempts"])
                 if key != last:
                     last = key
                     yield _sse("status", view)
                 if view["state"] in FINAL:
                     return
-                if waited >= limit:
-                    yield _sse("timeout", {"id": row["id"], "state": view["state"], "after": limit})
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    yield _sse("timeout", {"id": jid, "state": view["state"], "after": limit})
                     return
-                await asyncio.sleep(0.25)
-                waited += 0.25
-                current = await store.get(row["id"], owner)
+                here = jid in runner.tasks
+                await changes.wait(jid, min(left, POLL_S if shared and not here else PUSHED_FALLBACK_S))
+                if jid in runner.tasks and current["state"] == RUNNING and current.get("lease_owner") == runner.worker:
+                    # running here: its progress comes from the runner, no read of the store
+                    current = dict(current, progress=changes.progress.get(jid, current.get("progress")))
+                else:
+                    current = await store.get(jid, owner)
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await server.guarded(request, "job_events", work, _json_error)

@@ -11,7 +11,10 @@ runner per server (per replica) in the server's event loop:
   at its next hook point as a disconnected client does; a job whose lease was lost (this server
   stalled past it and another took the job over) is dropped without writing anything;
 * the outcome is written with :meth:`~.store.JobStore.finish` (a compare-and-set on the lease): once;
-* now and then it removes expired results.
+* a job's progress (every kind reports one: :mod:`.kinds`) is pushed at once to the event streams of this
+  process (:mod:`.changes`) and written to the store at most every :data:`PROGRESS_WRITE_S` (what a status
+  request, or a stream on another replica, reads);
+* now and then it removes expired results (and expired files: ``sweeps``).
 
 A server that dies leaves its jobs ``running`` with a lease that runs out; the next runner to claim
 them (this server restarted, or another replica) runs them again from their start.
@@ -25,10 +28,10 @@ import logging
 import os
 import secrets
 import socket
-import time
 
 from ....client import wire
 from .. import errors
+from .changes import Changes
 from .kinds import KINDS
 from .schema import CANCELLED, FAILED, SUCCEEDED
 
@@ -36,13 +39,14 @@ log = logging.getLogger("asyncinterp.serve.jobs")
 
 # what a job may fail with (submitted code may raise even SystemExit): recorded as its failure
 _JOB_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+PROGRESS_WRITE_S = 0.5      # a running job's progress is written to the store at most this often
 
 
 class Runner:
     """Runs the kept jobs of one server (see the module docs)."""
 
     def __init__(self, server, store, *, lease: float = 15.0, concurrency: int = 8, ttl: float | None = None,
-                 running_per_owner: int | None = None, poll: float = 0.5):
+                 running_per_owner: int | None = None, poll: float = 0.5, sweeps=()):
         self.server = server
         self.store = store
         self.lease = float(lease)
@@ -50,10 +54,12 @@ class Runner:
         self.ttl = ttl
         self.running_per_owner = running_per_owner
         self.poll = float(poll)
+        self.sweeps = sweeps          # more to remove when it expires (files: serve/openai/batches)
         self.worker = f"{socket.gethostname()[:24]}-{os.getpid()}-{secrets.token_hex(4)}"
         self.tasks: dict[str, asyncio.Task] = {}
         self.stop_reason: dict[str, str] = {}
         self.wake = asyncio.Event()
+        self.changes = Changes()
         self._loops: list[asyncio.Task] = []
         self.closing = False
 
@@ -80,6 +86,7 @@ class Runner:
                                               running_per_owner=self.running_per_owner) if free > 0 else []
                 for row in rows:
                     self.tasks[row["id"]] = asyncio.ensure_future(self._run(row))
+                    self.changes.notify(row["id"])
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the database may be briefly unreachable: try again
@@ -95,6 +102,7 @@ class Runner:
         while not self.closing:
             await asyncio.sleep(self.lease / 3)
             try:
+                await self.store.sync_clock(max_age=self.store.CLOCK_SYNC_S)   # leases on the database's clock
                 states = await self.store.heartbeat(self.worker, list(self.tasks), self.lease)
             except asyncio.CancelledError:
                 raise
@@ -111,6 +119,8 @@ class Runner:
         while not self.closing:
             try:
                 await self.store.expire()
+                for sweep in self.sweeps:
+                    await sweep()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
@@ -121,13 +131,13 @@ class Runner:
     async def _run(self, row):
         jid = row["id"]
         fields = {"event": "job", "job": jid, "kind": row["kind"], "attempt": row["attempts"], "worker": self.worker}
-        last = [0.0]
+        writing = [None]         # the task writing this job's progress to the store (one at a time)
 
         def progress(p):
-            now = time.monotonic()
-            if now - last[0] >= 0.5:
-                last[0] = now
-                asyncio.ensure_future(self._progress(jid, p))
+            self.changes.progress[jid] = p
+            self.changes.notify(jid)
+            if writing[0] is None or writing[0].done():
+                writing[0] = asyncio.ensure_future(self._write_progress(jid))
 
         try:
             run = KINDS.get(row["kind"])
@@ -156,7 +166,7 @@ class Runner:
                 fail = errors.failure(exc)
                 state, answer, error, status = FAILED, None, fail.error, fail.status
             written = await self.store.finish(jid, self.worker, state, result=answer, error=error, status=status,
-                                              ttl=self.ttl)
+                                              ttl=self.ttl, progress=self.changes.progress.get(jid))
             fields.update(state=state, written=written)
             log.info("job ended", extra={"fields": fields})
         except asyncio.CancelledError:
@@ -164,13 +174,25 @@ class Runner:
         except Exception:  # noqa: BLE001 - the store failed: the lease runs out and another run retries
             log.exception("job outcome not written", extra={"fields": fields})
         finally:
+            if writing[0] is not None:
+                writing[0].cancel()
             self.tasks.pop(jid, None)
             self.stop_reason.pop(jid, None)
+            self.changes.progress.pop(jid, None)
+            self.changes.notify(jid)
             self.wake.set()
 
-    async def _progress(self, jid, p):
-        with contextlib.suppress(Exception):
-            await self.store.set_progress(jid, self.worker, p)
+    async def _write_progress(self, jid):
+        """Write the job's newest progress now, then at most every PROGRESS_WRITE_S while it changes."""
+        written = None
+        while jid in self.tasks:
+            p = self.changes.progress.get(jid)
+            if p is None or p is written:
+                return
+            with contextlib.suppress(Exception):
+                await self.store.set_progress(jid, self.worker, p)
+            written = p
+            await asyncio.sleep(PROGRESS_WRITE_S)
 
 
 def _first_failure(answer):

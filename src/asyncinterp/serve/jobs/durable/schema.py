@@ -6,7 +6,8 @@ machine (``queued`` → ``running`` → ``succeeded`` / ``failed`` / ``cancelled
 that runs it, and its result (inline when small, else files: :mod:`.results`). Changes to these tables are
 Alembic migrations (:mod:`.migrations`); this module describes the newest revision.
 
-Times are Unix seconds (floats) from the clock of the server that writes them.
+Times are Unix seconds (floats) on the database's clock (:meth:`.store.JobStore.now`: the server's clock
+corrected by the offset it measured), so that replicas agree on when a lease runs out.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ class DurableConfig:
     max_attempts: int = 3
     concurrency: int = 8
     ttl: float | None = 7 * 86400.0
+    file_ttl: float | None = 30 * 86400.0     # uploaded files and batch outputs (OpenAI's expires_after overrides)
     job_timeout: float | None = None          # a kept job's time limit (default: the server's --timeout)
     quotas: quota_checks.Quotas = dataclasses.field(default_factory=quota_checks.Quotas)
 
@@ -63,6 +64,7 @@ class Durable:
         self.store = None
         self.runner = None
         self.on_start, self.on_close = [], []   # async callables run once the store is open / before it closes
+        self.sweeps = []                          # async callables the runner calls with its sweep of expired results
 
     def routes(self) -> list:
         """The app's routes of kept jobs (:mod:`.routes`)."""
@@ -73,7 +75,7 @@ class Durable:
         self.store = await JobStore.open(self.config.database, self.config.state_dir)
         self.store.ttl, self.store.max_attempts = self.config.ttl, self.config.max_attempts
         self.runner = Runner(self.server, self.store, lease=self.config.lease, concurrency=self.config.concurrency,
-                             ttl=self.config.ttl, running_per_owner=self.config.quotas.running)
+                             ttl=self.config.ttl, running_per_owner=self.config.quotas.running, sweeps=self.sweeps)
         self.runner.start()
         for fn in self.on_start:
             await fn()
@@ -122,11 +124,11 @@ class Durable:
         owner = self.owner(request)
         await quota_checks.check(store, owner, self.config.quotas)
         meta = {"label": label[:200]} if label else None
-        jid = await store.submit(NewJob(owner, kind, wire.packb(obj), timeout, returns, meta))
+        job = NewJob(owner, kind, wire.packb(obj), timeout, returns, meta)
+        jid = await store.submit(job)
         fields.update(kind=kind, job=jid, kept=True)
         self.runner.wake.set()
-        row = await store.get(jid, owner)
-        return JSONResponse(describe(row), status_code=202, headers={"Location": f"/v1/jobs/{jid}"})
+        return JSONResponse(describe(job.row()), status_code=202, headers={"Location": f"/v1/jobs/{jid}"})
 
     async def _check_job(self, obj):
         jobs_api.check_versions(obj)
@@ -136,7 +138,7 @@ class Durable:
         server, timeout = self.server, obj["timeout"]
         sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
                             copies=False) if server.allow_code else None
-        job = await aio.to_thread(jobs_api.load_job, server, data, sandbox, timeout)
+        job = await jobs_api.load_job_async(server, data, sandbox, timeout)
         jobs_api.checked_job(server, job)
 
     async def _check_session(self, obj):

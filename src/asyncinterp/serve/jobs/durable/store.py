@@ -75,6 +75,13 @@ class NewJob:
     returns: str = ""
     meta: dict | None = None
     id: str = dataclasses.field(default_factory=new_id)
+    created_at: float | None = None          # set when it is stored
+
+    def row(self) -> dict:
+        """Its row as stored (queued; the request aside): what a status of the new job shows."""
+        return dict(id=self.id, owner=self.owner, kind=self.kind, returns=self.returns, state=QUEUED,
+                    timeout=float(self.timeout), meta=self.meta, created_at=self.created_at, attempts=0,
+                    cancel_requested=False, result_bytes=0, compute_seconds=0.0)
 
 
 class JobStore:
@@ -85,11 +92,38 @@ class JobStore:
     #: runs a job may start; one whose server died that many times while running it fails (it may be the cause)
     max_attempts: int = 3
 
+    #: how often (seconds) a shared database's clock is read again (:meth:`sync_clock`)
+    CLOCK_SYNC_S = 60.0
+
     def __init__(self, engine, state_dir, inline_bytes: int = INLINE_BYTES):
         self.engine = engine
         self.state_dir = pathlib.Path(state_dir) if state_dir is not None else None
         self.inline_bytes = int(inline_bytes)
         self.dialect = engine.dialect.name
+        self.clock = time.time          # this server's clock ...
+        self.offset = 0.0               # ... and how far the database's is ahead of it (sync_clock)
+        self.synced = None              # when (time.monotonic()) the offset was measured
+
+    def now(self) -> float:
+        """The store's time (Unix seconds): the database's clock, as measured by :meth:`sync_clock`. Every
+        time the store writes or compares (leases above all) is on it, so replicas whose own clocks disagree
+        still agree on when a lease runs out."""
+        return self.clock() + self.offset
+
+    async def sync_clock(self, max_age: float | None = None) -> float:
+        """Measure how far the database's clock is from this server's (``now()`` read through SQLAlchemy,
+        halfway through the round trip); again only when the last measure is older than ``max_age``. An
+        embedded SQLite database is on this host: its clock is this server's (offset 0). The offset."""
+        if self.dialect == "sqlite":
+            return 0.0
+        if max_age is not None and self.synced is not None and time.monotonic() - self.synced < max_age:
+            return self.offset
+        async with self.engine.connect() as conn:
+            t0 = self.clock()
+            db = (await conn.execute(sa.select(sa.extract("epoch", sa.func.now())))).scalar_one()
+            t1 = self.clock()
+        self.offset, self.synced = float(db) - (t0 + t1) / 2, time.monotonic()
+        return self.offset
 
     @classmethod
     async def open(cls, database: str | None = None, state_dir=None, *, inline_bytes: int = INLINE_BYTES,
@@ -100,12 +134,14 @@ class JobStore:
         url = database_url(database, state_dir)
         if url.startswith("sqlite"):
             engine = create_async_engine(url, connect_args={"timeout": 30})
+            sa.event.listen(engine.sync_engine, "connect", _sqlite_wal)
         else:
             engine = create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
         if state_dir is None and not url.startswith("sqlite"):
             inline_bytes = 1 << 62     # no directory: everything in the database
         store = cls(engine, state_dir, inline_bytes)
         await store.migrate()
+        await store.sync_clock()
         return store
 
     async def migrate(self, attempts: int = 5) -> None:
@@ -148,17 +184,15 @@ class JobStore:
     # ------------------------------------------------------------------ submitting and reading
     async def submit(self, job: NewJob, now: float | None = None) -> str:
         """Store a new queued job; its id."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         request, request_path = job.request, None
         if len(request) > self.inline_bytes and self.state_dir is not None:
             request_path = f"requests/{job.id}.msgpack"
             await asyncio.to_thread(self._write, request_path, request)
             request = None
+        job.created_at = now
         async with self.engine.begin() as conn:
-            await conn.execute(jobs.insert().values(
-                id=job.id, owner=job.owner, kind=job.kind, returns=job.returns, state=QUEUED, request=request,
-                request_path=request_path, timeout=float(job.timeout), meta=job.meta, created_at=now,
-                attempts=0, cancel_requested=False, result_bytes=0, compute_seconds=0.0))
+            await conn.execute(jobs.insert().values(**job.row(), request=request, request_path=request_path))
         return job.id
 
     async def get(self, job_id: str, owner: str | None):
@@ -209,27 +243,26 @@ class JobStore:
         return None
 
     # ------------------------------------------------------------------ quotas' counts
-    async def count(self, owner: str, states) -> int:
-        q = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.state.in_(states))
-        async with self.engine.connect() as conn:
-            return int((await conn.execute(q)).scalar_one())
-
     async def usage(self, owner: str, since: float, now: float | None = None) -> dict:
-        """``owner``'s compute seconds since ``since`` (finished and still running jobs), the finish time of the
-        oldest of those finished jobs, and the bytes of the results it keeps with their earliest expiry."""
-        now = time.time() if now is None else now
+        """What the quotas count of ``owner``, in one query: its ``queued`` jobs, its compute seconds since
+        ``since`` (finished and still running jobs) with the finish time of the oldest of those finished
+        jobs, and the bytes of the results it keeps with their earliest expiry."""
+        now = self.now() if now is None else now
+        c = jobs.c
+        recent = c.finished_at >= since
+        running = c.state == RUNNING
+        live = sa.case((running & (c.started_at > since), now - c.started_at), (running, now - since), else_=0.0)
+        kept = c.result_bytes > 0
+        q = sa.select(sa.func.coalesce(sa.func.sum(sa.case((c.state == QUEUED, 1), else_=0)), 0),
+                      sa.func.coalesce(sa.func.sum(sa.case((recent, c.compute_seconds), else_=0.0)), 0.0),
+                      sa.func.coalesce(sa.func.sum(live), 0.0),
+                      sa.func.min(sa.case((recent, c.finished_at))),
+                      sa.func.coalesce(sa.func.sum(sa.case((kept, c.result_bytes), else_=0)), 0),
+                      sa.func.min(sa.case((kept, c.expires_at)))).where(c.owner == owner)
         async with self.engine.connect() as conn:
-            done = (await conn.execute(
-                sa.select(sa.func.coalesce(sa.func.sum(jobs.c.compute_seconds), 0.0), sa.func.min(jobs.c.finished_at))
-                .where(jobs.c.owner == owner, jobs.c.finished_at >= since))).one()
-            running = (await conn.execute(
-                sa.select(jobs.c.started_at).where(jobs.c.owner == owner, jobs.c.state == RUNNING))).scalars().all()
-            kept = (await conn.execute(
-                sa.select(sa.func.coalesce(sa.func.sum(jobs.c.result_bytes), 0), sa.func.min(jobs.c.expires_at))
-                .where(jobs.c.owner == owner, jobs.c.result_bytes > 0))).one()
-        live = sum(now - max(t or now, since) for t in running)
-        return {"compute_seconds": float(done[0]) + live, "oldest_finished": done[1],
-                "result_bytes": int(kept[0]), "next_expiry": kept[1]}
+            row = (await conn.execute(q)).one()
+        return {"queued": int(row[0]), "compute_seconds": float(row[1]) + float(row[2]), "oldest_finished": row[3],
+                "result_bytes": int(row[4]), "next_expiry": row[5]}
 
     # ------------------------------------------------------------------ running (the runner's side)
     async def claim(self, worker: str, lease: float, limit: int = 1, *, running_per_owner: int | None = None,
@@ -238,7 +271,7 @@ class JobStore:
         expired. Each is a compare-and-set: of two servers claiming one job, one wins. A job cancelled while
         its server was gone ends as cancelled here instead of running again. ``running_per_owner``: skip
         the jobs of an owner that already runs that many."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         expired = sa.and_(jobs.c.state == RUNNING, jobs.c.lease_until < now)
         q = sa.select(jobs.c.id, jobs.c.owner, jobs.c.state).where(sa.or_(jobs.c.state == QUEUED, expired)) \
             .order_by(jobs.c.created_at, jobs.c.id).limit(max(limit * 4, 8))
@@ -252,14 +285,27 @@ class JobStore:
                     sa.select(jobs.c.owner, sa.func.count()).where(jobs.c.owner.in_(owners), jobs.c.state == RUNNING,
                                                                   jobs.c.lease_until >= now)
                     .group_by(jobs.c.owner))).all())
+        queued, expired_ids = [], []
         for cand in candidates:
-            if len(taken) >= limit:
+            if len(queued) + len(expired_ids) >= limit:
                 break
-            if running_per_owner is not None and cand.state == QUEUED and busy.get(cand.owner, 0) >= running_per_owner:
-                continue
-            row = await self._take(cand.id, worker, lease, now)
+            if cand.state == QUEUED:
+                if running_per_owner is not None and busy.get(cand.owner, 0) >= running_per_owner:
+                    continue
+                busy[cand.owner] = busy.get(cand.owner, 0) + 1
+                queued.append(cand.id)
+            else:
+                expired_ids.append(cand.id)
+        if queued:      # one compare-and-set for all: a job another server took meanwhile is not returned
+            async with self.engine.begin() as conn:
+                taken = [dict(r) for r in (await conn.execute(
+                    jobs.update().where(jobs.c.id.in_(queued), jobs.c.state == QUEUED).values(
+                        state=RUNNING, lease_owner=worker, lease_until=now + lease, attempts=jobs.c.attempts + 1,
+                        started_at=now, progress=None).returning(*jobs.c))).mappings()]
+            taken.sort(key=lambda r: queued.index(r["id"]))
+        for job_id in expired_ids:          # rare (its server died): notes its restart, or ends it
+            row = await self._take(job_id, worker, lease, now)
             if row is not None:
-                busy[row["owner"]] = busy.get(row["owner"], 0) + 1
                 taken.append(row)
         return taken
 
@@ -300,7 +346,7 @@ class JobStore:
 
     async def heartbeat(self, worker: str, ids, lease: float, now: float | None = None) -> dict:
         """Renew ``worker``'s leases on ``ids``; ``{id: "ok" | "cancel" | "lost"}`` (lost: not its job any more)."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         ids = list(ids)
         if not ids:
             return {}
@@ -321,13 +367,16 @@ class JobStore:
                                                    jobs.c.state == RUNNING).values(progress=progress))
 
     async def finish(self, job_id: str, worker: str, state: str, *, result=None, error=None, status: int | None = None,
-                     ttl: float | None = None, now: float | None = None) -> bool:
-        """Write the outcome of ``worker``'s run (once: ``False`` when the run had lost its lease)."""
-        now = time.time() if now is None else now
+                     ttl: float | None = None, progress: dict | None = None, now: float | None = None) -> bool:
+        """Write the outcome of ``worker``'s run (once: ``False`` when the run had lost its lease), with the
+        run's last ``progress`` when given."""
+        now = self.now() if now is None else now
         if state not in FINAL:
             raise ValueError(f"a job finishes as one of {FINAL}, not {state!r}")
         values = dict(state=state, finished_at=now, lease_owner=None, lease_until=None, error=error,
                       status_code=status, expires_at=None if ttl is None else now + ttl)
+        if progress is not None:
+            values["progress"] = progress
         path = None
         if result is not None:
             text, blob = await asyncio.to_thread(results.encode, result)
@@ -364,7 +413,7 @@ class JobStore:
     async def cancel(self, job_id: str, owner: str | None, now: float | None = None) -> str | None:
         """Cancel: a queued job ends as cancelled now (it never runs); a running one is asked to stop (its server
         stops it at its next hook point and ends it as cancelled). The state after it (``None``: no such job)."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         mine = [jobs.c.id == job_id] + ([jobs.c.owner == owner] if owner is not None else [])
         async with self.engine.begin() as conn:
             done = await conn.execute(jobs.update().where(*mine, jobs.c.state == QUEUED).values(
@@ -391,7 +440,7 @@ class JobStore:
 
     async def expire(self, now: float | None = None) -> int:
         """Remove the finished jobs whose results expired; how many."""
-        now = time.time() if now is None else now
+        now = self.now() if now is None else now
         gone = jobs.c.expires_at < now
         async with self.engine.begin() as conn:
             rows = (await conn.execute(sa.select(jobs.c.result_path, jobs.c.request_path).where(gone))).all()
@@ -404,6 +453,15 @@ class JobStore:
         if row.result_path:
             self._remove(row.result_path + ".safetensors", row.result_path + ".json")
         self._remove(row.request_path)
+
+
+def _sqlite_wal(dbapi_connection, _record) -> None:
+    """SQLite's write-ahead log: readers (status, quotas) never wait for a writer (a claim, an outcome), and a
+    commit is one append to the log, synced (``synchronous=FULL``: a 202 survives a power cut too)."""
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.close()
 
 
 def _error(type_: str, message: str, kind: str) -> dict:

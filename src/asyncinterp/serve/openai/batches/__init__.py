@@ -33,7 +33,8 @@ def routes(server) -> list:
                 service(server)         # raises the 400 that says how to keep jobs
             return await server.guarded(request, "batches", work, openai_error)
         return [Route(path, refuse, methods=[method]) for path, method in PATHS]
-    from . import api, edits, files
+    from . import access, api, edits, files
     server.durable.on_start.append(lambda: edits.load(server))    # the edits registered before a restart
     server.durable.on_close.append(lambda: edits.close(server))
+    server.durable.sweeps.append(lambda: access.tables(server).expire_files())     # expired files
     return files.routes(server) + api.routes(server) + edits.routes(server)

@@ -103,7 +103,8 @@ async def create(server, owner: str, obj: dict) -> dict:
               "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
               "expires_at": now + window, "finalizing_at": None, "completed_at": None, "failed_at": None,
               "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "owner": owner}
+              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
+              "usage": None, "owner": owner}
     await db.add_batch(record, await read_file(db, owner, source["id"]))      # the batch keeps its own copy
     jid = await durable.store.submit(NewJob(owner, "batch", wire.packb({"batch": record["id"]}),
                                             window + JOB_SLACK_S, meta={"label": f"batch {record['id']}"}))

@@ -12,6 +12,12 @@ for byte. A batch's output and error files are files of its owner too
 An upload with purpose ``batch`` is checked at once: UTF-8 JSON lines, each
 an object, at most :data:`MAX_LINES` of them (OpenAI's limit); what each
 line asks for is checked when a batch uses the file (:mod:`.lines`).
+
+Files expire: after OpenAI's ``expires_after`` (``{"anchor": "created_at",
+"seconds": S}``, S within OpenAI's 1 hour to 30 days) when the upload names
+it, else after the server's ``--file-ttl`` (30 days by default, OpenAI's
+for batch files; a batch's output and error files too). An expired file is
+not found at once; the runner's sweep removes it.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ from starlette.routing import Route
 
 from .... import aio
 from ...jobs.errors import RequestFailed
-from .access import caller, not_found, openai_error, tables
+from .access import caller, not_found, openai_error, service, tables
 
 __all__ = ["MAX_FILE_BYTES", "MAX_LINES", "create", "get", "new_id", "read", "routes"]
 
 MAX_FILE_BYTES = 200 << 20       # OpenAI's limit for a batch input file
 MAX_LINES = 50_000               # requests in one batch (OpenAI's)
+EXPIRES_AFTER_S = (3600, 30 * 86400)    # OpenAI's range of expires_after.seconds
 PURPOSES = ("batch",)            # what may be uploaded; batch_output files are made by batches
 
 
@@ -68,11 +75,13 @@ def check_jsonl(data: bytes) -> int:
     return n
 
 
-async def create(tables, owner: str, filename: str, purpose: str, data: bytes, fid: str | None = None) -> dict:
-    """Keep a file of ``owner``; its record as OpenAI shows it."""
-    record = {"id": fid or new_id("file-"), "object": "file", "bytes": len(data), "created_at": int(time.time()),
-              "expires_at": None, "filename": filename, "purpose": purpose, "status": "processed",
-              "status_details": None}
+async def create(tables, owner: str, filename: str, purpose: str, data: bytes, fid: str | None = None,
+                 ttl: float | None = None) -> dict:
+    """Keep a file of ``owner`` for ``ttl`` seconds (``None``: until deleted); its record as OpenAI shows it."""
+    now = int(time.time())
+    record = {"id": fid or new_id("file-"), "object": "file", "bytes": len(data), "created_at": now,
+              "expires_at": None if ttl is None else int(now + ttl), "filename": filename, "purpose": purpose,
+              "status": "processed", "status_details": None}
     await tables.put_file(dict(record, owner=owner), data)
     return record
 
@@ -81,9 +90,39 @@ async def get(tables, owner: str, fid) -> dict:
     row = await tables.file(fid, owner) if isinstance(fid, str) else None
     if row is None:
         raise not_found("file", fid)
+    expires = row.get("expires_at")
     return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": int(row["created_at"]),
-            "expires_at": None, "filename": row["filename"], "purpose": row["purpose"], "status": "processed",
-            "status_details": None}
+            "expires_at": None if expires is None else int(expires), "filename": row["filename"],
+            "purpose": row["purpose"], "status": "processed", "status_details": None}
+
+
+def expires_after(form) -> int | None:
+    """Seconds from OpenAI's ``expires_after`` of an upload form (``None``: not given): the ``openai`` client
+    sends ``expires_after[anchor]`` and ``expires_after[seconds]``; a JSON object in ``expires_after`` is
+    taken too."""
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    if anchor is None and seconds is None and form.get("expires_after") is not None:
+        try:
+            obj = json.loads(form.get("expires_after"))
+        except (TypeError, ValueError):
+            obj = None
+        if not isinstance(obj, dict):
+            raise _bad("expires_after must be an object {\"anchor\": \"created_at\", \"seconds\": S}",
+                       "expires_after")
+        anchor, seconds = obj.get("anchor"), obj.get("seconds")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise _bad(f"expires_after.anchor must be 'created_at', got {str(anchor)[:40]!r}", "expires_after.anchor")
+    try:
+        seconds = int(str(seconds))
+    except ValueError:
+        seconds = None
+    lo, hi = EXPIRES_AFTER_S
+    if seconds is None or not lo <= seconds <= hi:
+        raise _bad(f"expires_after.seconds must be an integer from {lo} (1 hour) to {hi} (30 days)",
+                   "expires_after.seconds")
+    return seconds
 
 
 async def read(tables, owner: str, fid) -> bytes:
@@ -142,6 +181,7 @@ async def _upload(server, request, db, owner):
                            f"got {str(purpose)[:40]!r}", "purpose")
             if upload is None or isinstance(upload, str):
                 raise _bad("the form has no file: send it in the field 'file'", "file")
+            ttl = expires_after(form)
             data = await upload.read(MAX_FILE_BYTES + 1)
             filename = (upload.filename or "upload.jsonl")[:255]
     except RequestFailed:
@@ -151,7 +191,9 @@ async def _upload(server, request, db, owner):
     if len(data) > MAX_FILE_BYTES:
         raise RequestFailed("too_large", f"a file may hold at most {MAX_FILE_BYTES} bytes")
     await aio.to_thread(check_jsonl, data)
-    return JSONResponse(await create(db, owner, filename, purpose, data))
+    if ttl is None:
+        ttl = service(server).config.file_ttl
+    return JSONResponse(await create(db, owner, filename, purpose, data, ttl=ttl))
 
 
 async def _list(server, request, db, owner):

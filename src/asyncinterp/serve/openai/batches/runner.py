@@ -13,9 +13,10 @@ the replica that ran it) runs it again. Each run takes the batch from wherever t
   Each answer is inserted into the batch's lines table, keyed by its line, before it counts: a line
   whose answer is not there when the server dies runs again in the next run, and a line is never
   answered twice (a second insert is refused by the key);
-* **finalizing**: the output and error files are written (in input order), then the batch is
-  ``completed``; cancelled and expired batches keep what was answered, and their unanswered lines go
-  to the error file (``batch_cancelled``, ``batch_expired``).
+* **finalizing**: the output and error files are written (in input order), the batch's ``usage`` (the
+  answered lines' tokens, summed) is set, then the batch is ``completed``; cancelled and expired batches
+  keep what was answered, and their unanswered lines go to the error file (``batch_cancelled``,
+  ``batch_expired``). The batch's ``model`` is set when it starts (the model its lines name).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .... import aio
 from ....client import wire
 from ...jobs.errors import RequestFailed
 from .. import openai_compat
-from .access import tables
+from .access import service, tables
 from .files import create as create_file
 from .lines import ENDPOINTS, answer_line, parse_lines, skipped_line
 
@@ -115,13 +116,13 @@ async def _run(server, db, bid, progress) -> dict:
                                   errors={"object": "list", "data": errors})
             return {"ok": True, "result": {"batch": bid, "status": "failed"}}
         record = await db.update_batch(bid, only_if=("validating",), status="in_progress",
-                                       in_progress_at=int(time.time()),
+                                       in_progress_at=int(time.time()), model=model_of(lines),
                                        request_counts={"total": len(lines), "completed": 0, "failed": 0}) \
             or await db.batch(bid)
     if record["status"] == "in_progress":
         record = await _answer(server, db, record, lines, progress)
     if record["status"] in ACTIVE:
-        record = await _finish(db, record, lines)
+        record = await _finish(db, record, lines, service(server).config.file_ttl)
     return {"ok": True, "result": {"batch": bid, "status": record["status"]}}
 
 
@@ -139,7 +140,8 @@ async def _answer(server, db, record, lines, progress) -> dict:
             status, body, request_id = await answer(server, path, line.body)
             if await db.add_line(bid, line.index, status == 200, answer_line(line, status, body, request_id)):
                 counts["completed" if status == 200 else "failed"] += 1
-                progress({"completed": counts["completed"], "failed": counts["failed"], "of": len(lines)})
+                progress({"phase": "in_progress", "completed": counts["completed"], "failed": counts["failed"],
+                          "of": len(lines)})
 
     tasks = {asyncio.get_running_loop().create_task(one(line)) for line in lines if line.index not in done}
     status = "in_progress"
@@ -161,8 +163,9 @@ async def _answer(server, db, record, lines, progress) -> dict:
     return await db.update_batch(bid, only_if=("in_progress",), **end) or await db.batch(bid)
 
 
-async def _finish(db, record, lines) -> dict:
-    """Write the output and error files (input order) and end the batch: completed, cancelled or expired."""
+async def _finish(db, record, lines, file_ttl) -> dict:
+    """Write the output and error files (input order, kept ``file_ttl`` seconds) and end the batch: completed,
+    cancelled or expired."""
     bid, status = record["id"], record["status"]
     answered = await db.answered(bid)
     skipped = {"cancelling": ("batch_cancelled", "the batch was cancelled before this request ran"),
@@ -180,15 +183,44 @@ async def _finish(db, record, lines) -> dict:
         if entries:       # an id derived from the batch's: written again after a crash, it replaces itself
             fid = "file-" + hashlib.sha256(f"{bid}/{tag}".encode()).hexdigest()[:32]
             data = b"".join(json.dumps(e, separators=(",", ":")).encode() + b"\n" for e in entries)
-            await create_file(db, record["owner"], f"{bid}_{tag}.jsonl", "batch_output", data, fid=fid)
+            await create_file(db, record["owner"], f"{bid}_{tag}.jsonl", "batch_output", data, fid=fid, ttl=file_ttl)
             files[field] = fid
     final, stamp = {"finalizing": ("completed", "completed_at"), "cancelling": ("cancelled", "cancelled_at"),
                     "expiring": ("expired", "expired_at")}.get(status, ("completed", "completed_at"))
     counts = {"total": len(lines), "completed": len(out), "failed": len(err)}
-    record = await db.update_batch(bid, status=final, request_counts=counts, **{stamp: int(time.time())}, **files)
+    record = await db.update_batch(bid, status=final, request_counts=counts, usage=usage_of(out),
+                                   **{stamp: int(time.time())}, **files)
     await db.drop_lines(bid)
     log.info("batch ended", extra={"fields": {"event": "batch", "batch": bid, "status": final, **counts}})
     return record
+
+
+def model_of(lines) -> str | None:
+    """The batch's ``model`` (OpenAI's field): the model its lines name; the names in order of first use,
+    comma-separated, when its lines name several (OpenAI's batches have one)."""
+    names = []
+    for line in lines:
+        try:
+            name = json.loads(line.body).get("model")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(name, str) and name not in names:
+            names.append(name)
+    return ",".join(names) or None
+
+
+def usage_of(answers) -> dict:
+    """OpenAI's batch ``usage``: the tokens of the answered lines (their answers' ``usage``), summed."""
+    total = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "cached": 0}
+    for answer in answers:
+        usage = ((answer.get("response") or {}).get("body") or {}).get("usage") or {}
+        total["input_tokens"] += int(usage.get("prompt_tokens") or 0)
+        total["output_tokens"] += int(usage.get("completion_tokens") or 0)
+        total["total_tokens"] += int(usage.get("total_tokens") or 0)
+        total["cached"] += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"input_tokens": total["input_tokens"], "input_tokens_details": {"cached_tokens": total["cached"]},
+            "output_tokens": total["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": total["total_tokens"]}
 
 
 def _streams(body: bytes) -> bool:

@@ -5,7 +5,8 @@ live in the kept-jobs database (SQLite under ``--state-dir``, or PostgreSQL), be
 through SQLAlchemy core (no SQL of one dialect by hand); their schema is the Alembic revision
 ``0002`` of :mod:`...jobs.durable.migrations`. The tables are on the jobs' ``metadata``.
 
-* ``asyncinterp_files``: an uploaded file or a batch's output, its owner (a key's hash) and bytes;
+* ``asyncinterp_files``: an uploaded file or a batch's output, its owner (a key's hash), bytes and expiry
+  (an expired file is not found, and the runner's sweep removes it: :meth:`Tables.expire_files`);
 * ``asyncinterp_batches``: a batch's OpenAI record (JSON), its status, owner, the kept job that runs it,
   and its own copy of its input;
 * ``asyncinterp_batch_lines``: one row per answered line, keyed by ``(batch, line)``: a line's answer
@@ -16,6 +17,7 @@ through SQLAlchemy core (no SQL of one dialect by hand); their schema is the Ale
 from __future__ import annotations
 
 import json
+import time
 
 import sqlalchemy as sa
 
@@ -32,6 +34,7 @@ files = sa.Table(
     sa.Column("bytes", sa.BigInteger, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=True),       # None: kept until deleted (revision 0003)
     sa.Index("ix_asyncinterp_files_owner_created", "owner", "created_at"),
 )
 
@@ -75,28 +78,39 @@ class Tables:
     # ------------------------------------------------------------------ files
     async def put_file(self, record: dict, data: bytes) -> None:
         """Store a file (replacing one with the same id: a batch's output written again after a crash)."""
-        row = {k: record[k] for k in ("id", "owner", "purpose", "filename", "bytes", "created_at")}
+        row = {k: record[k] for k in ("id", "owner", "purpose", "filename", "bytes", "created_at", "expires_at")}
         async with self.engine.begin() as conn:
             await conn.execute(files.delete().where(files.c.id == row["id"]))
             await conn.execute(files.insert().values(**row, data=data))
 
+    @staticmethod
+    def _live(fid: str, owner: str) -> tuple:
+        """The file ``fid`` of ``owner``, unless it expired (gone for its owner at once, removed by the sweep)."""
+        return (files.c.id == fid, files.c.owner == owner,
+                sa.or_(files.c.expires_at.is_(None), files.c.expires_at > time.time()))
+
     async def file(self, fid: str, owner: str):
         async with self.engine.connect() as conn:
-            row = (await conn.execute(sa.select(*_FILE_COLUMNS).where(files.c.id == fid, files.c.owner == owner))
-                   ).mappings().first()
+            row = (await conn.execute(sa.select(*_FILE_COLUMNS).where(*self._live(fid, owner)))).mappings().first()
         return dict(row) if row is not None else None
 
     async def file_data(self, fid: str, owner: str):
         async with self.engine.connect() as conn:
-            return (await conn.execute(sa.select(files.c.data).where(files.c.id == fid, files.c.owner == owner))
-                    ).scalar()
+            return (await conn.execute(sa.select(files.c.data).where(*self._live(fid, owner)))).scalar()
 
     async def delete_file(self, fid: str, owner: str) -> bool:
         async with self.engine.begin() as conn:
-            return (await conn.execute(files.delete().where(files.c.id == fid, files.c.owner == owner))).rowcount == 1
+            return (await conn.execute(files.delete().where(*self._live(fid, owner)))).rowcount == 1
+
+    async def expire_files(self, now: float | None = None) -> int:
+        """Remove the files whose time ran out; how many."""
+        now = time.time() if now is None else now
+        async with self.engine.begin() as conn:
+            return (await conn.execute(files.delete().where(files.c.expires_at <= now))).rowcount
 
     async def list_files(self, owner: str, purpose=None) -> list:
-        q = sa.select(*_FILE_COLUMNS).where(files.c.owner == owner)
+        q = sa.select(*_FILE_COLUMNS).where(files.c.owner == owner,
+                                            sa.or_(files.c.expires_at.is_(None), files.c.expires_at > time.time()))
         if purpose is not None:
             q = q.where(files.c.purpose == purpose)
         async with self.engine.connect() as conn:
