@@ -400,7 +400,8 @@ class RemoteExecution:
 
     def wait(self, cancellable: bool = False, on_event=None) -> None:
         model = self.model
-        body = wire.packb({**model.versions, "job": dumps_job(self.job), "stream": True})
+        stream = on_event is not None     # else one answer: nothing to wake up for before it
+        body = wire.packb({**model.versions, "job": dumps_job(self.job), "stream": stream})
         model.info()   # the version check, once
         results = None
         try:
@@ -413,8 +414,13 @@ class RemoteExecution:
                         _decode_response(r.status_code, r.read())
                     except RemoteError as exc:
                         raise remote_exception(exc) from None
+                if not stream:
+                    try:
+                        results = _decode_response(r.status_code, r.read()).get("results")
+                    except RemoteError as exc:
+                        raise remote_exception(exc) from None
                 unpacker = wire.stream_unpacker(wire.STREAM_ANSWER_LIMITS)
-                for chunk in r.iter_bytes():
+                for chunk in r.iter_bytes() if stream else ():
                     unpacker.feed(chunk)
                     for obj in unpacker:
                         if not isinstance(obj, dict):
