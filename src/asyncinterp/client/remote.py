@@ -400,8 +400,7 @@ class RemoteExecution:
 
     def wait(self, cancellable: bool = False, on_event=None) -> None:
         model = self.model
-        stream = on_event is not None     # else one answer: nothing to wake up for before it
-        body = wire.packb({**model.versions, "job": dumps_job(self.job), "stream": stream})
+        body = wire.packb({**model.versions, "job": dumps_job(self.job), "stream": True})
         model.info()   # the version check, once
         results = None
         try:
@@ -414,13 +413,8 @@ class RemoteExecution:
                         _decode_response(r.status_code, r.read())
                     except RemoteError as exc:
                         raise remote_exception(exc) from None
-                if not stream:
-                    try:
-                        results = _decode_response(r.status_code, r.read()).get("results")
-                    except RemoteError as exc:
-                        raise remote_exception(exc) from None
                 unpacker = wire.stream_unpacker(wire.STREAM_ANSWER_LIMITS)
-                for chunk in r.iter_bytes() if stream else ():
+                for chunk in r.iter_bytes():
                     unpacker.feed(chunk)
                     for obj in unpacker:
                         if not isinstance(obj, dict):
