@@ -19,6 +19,19 @@ def pipe():
     return Channel(ours), theirs
 
 
+def start_sender(outbox):
+    sender = threading.Thread(target=outbox.run, daemon=True)
+    sender.start()
+    return sender
+
+
+def close(outbox, sender, channel):
+    outbox.put(None)
+    sender.join(5)
+    assert not sender.is_alive(), "the sender thread did not end when the outbox closed"
+    channel.close()
+
+
 def received(conn, n, timeout=30.0):
     out = []
     deadline = time.monotonic() + timeout
@@ -36,13 +49,9 @@ def test_a_lone_small_message_is_written_by_its_sender_without_the_thread():
     big = bytes(range(256)) * (DIRECT_MAX // 256 + 1)
     outbox.put(big)                     # too large to write from the caller: queued for the thread
     assert not theirs.poll(0.2)
-    sender = threading.Thread(target=outbox.run, daemon=True)
-    sender.start()
+    sender = start_sender(outbox)
     assert received(theirs, 1) == [big]
-    outbox.put(None)
-    sender.join(5)
-    assert not sender.is_alive()
-    channel.close()
+    close(outbox, sender, channel)
 
 
 def test_sending_never_waits_on_a_worker_that_does_not_read_and_nothing_is_lost_or_reordered():
@@ -54,16 +63,12 @@ def test_sending_never_waits_on_a_worker_that_does_not_read_and_nothing_is_lost_
         outbox.put(m)
     assert time.monotonic() - t0 < 5.0, "put waited on the pipe"
     assert outbox.queue, "the pipe took 5 MB without anybody reading: the test did not fill it"
-    sender = threading.Thread(target=outbox.run, daemon=True)
-    sender.start()
+    sender = start_sender(outbox)
     got = received(theirs, len(messages))
-    assert got == messages              # whole (a partial write's rest came first) and in order
+    assert got == messages              # whole and in order
     outbox.put(b"after")                # the queue drained: written at once again
     assert received(theirs, 1) == [b"after"]
-    outbox.put(None)
-    sender.join(5)
-    assert not sender.is_alive()
-    channel.close()
+    close(outbox, sender, channel)
 
 
 def test_a_broken_pipe_is_reported_by_the_sender_thread():
@@ -100,9 +105,6 @@ def test_the_rest_of_a_message_the_pipe_took_in_part_goes_first():
     outbox.put(b"first message, written in part")
     outbox.put(b"second")             # queued behind the rest of the first
     assert [raw for raw, _ in outbox.queue] == [True, False]
-    sender = threading.Thread(target=outbox.run, daemon=True)
-    sender.start()
+    sender = start_sender(outbox)
     assert received(theirs, 2) == [b"first message, written in part", b"second"]
-    outbox.put(None)
-    sender.join(5)
-    channel.close()
+    close(outbox, sender, channel)
