@@ -200,3 +200,21 @@ def test_deeply_nested_tuple_extensions_are_refused_not_a_crash():
         wire.unpackb(y)
     with pytest.raises(WireError):
         wire.unpackb(b"\x91" * 1_000_000 + b"\x00")
+
+
+@pytest.mark.parametrize("n_head", [1, 2, 15, 16, 40])
+def test_values_encoded_once_decode_as_if_encoded_with_their_map(n_head):
+    """A worker's results travel as the bytes it encoded (packb_array), spliced into the server's answer
+    (packb_with): the client decodes exactly what one packb of the whole answer gives."""
+    entries = [{"ok": True, "value": torch.randn(3, 5)}, {"ok": False, "error": {"type": "E", "message": "m"}},
+               {"ok": True, "value": (1, [2.5, None], "x")}]
+    head = {f"k{i}": i for i in range(n_head - 1)}
+    head["ok"] = True
+    spliced = wire.unpackb(wire.packb_with(head, "results", wire.packb_array([wire.packb(e) for e in entries])))
+    whole = wire.unpackb(wire.packb({**head, "results": entries}))
+    assert spliced.keys() == whole.keys()
+    for a, b in zip(spliced["results"], whole["results"]):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+    with pytest.raises(ValueError, match="twice"):
+        wire.packb_with({"results": 1}, "results", b"\x90")

@@ -17,6 +17,7 @@ What serving needs (:mod:`asyncinterp.serve`):
 * :class:`Mailbox` — items put from any thread, awaited in the event loop that made it;
 * :func:`fail_at` — raise ``TimeoutError`` at a ``time.monotonic()`` deadline (``None``: never);
 * :func:`to_thread` — await a blocking call run in a worker thread;
+* :func:`wait_readable` — await a descriptor that has something to read (a worker process's pipe);
 * :func:`run_watched` — await ``fn()`` while a watcher runs beside it; the watcher returning first cancels it;
 * :func:`run_with_tasks` / :func:`cancel_scope` — a fresh event loop with a task group, and per-task
   cancellation (the supervised worker process, :mod:`asyncinterp.serve.workers.worker_proc`).
@@ -163,6 +164,11 @@ def fail_at(deadline: float | None):
     return anyio.fail_after(None if deadline is None else max(deadline - time.monotonic(), 0))
 
 
+async def wait_readable(obj) -> None:
+    """Wait until ``obj`` (a descriptor, or an object with ``fileno()``) has something to read."""
+    await anyio.wait_readable(obj)
+
+
 async def to_thread(fn, *args):
     """``fn(*args)`` in a worker thread; the event loop stays free meanwhile."""
     return await anyio.to_thread.run_sync(fn, *args)
@@ -247,4 +253,4 @@ def cancel_scope():
 
 
 __all__ = ["LoopHandle", "Mailbox", "Watched", "cancel_scope", "current_library", "fail_at", "in_loop",
-           "run_in_thread", "run_watched", "run_with_tasks", "to_thread"]
+           "run_in_thread", "run_watched", "run_with_tasks", "to_thread", "wait_readable"]

@@ -234,21 +234,31 @@ def _reads(fn):
             yield name, glob[name]
 
 
-def _global_names(code) -> set:
+@functools.lru_cache(maxsize=256)   # per code object: a sweep sends the same function thousands of times
+def _global_names(code) -> frozenset:
     found = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _LOADS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             found |= _global_names(const)
-    return found
+    return frozenset(found)
+
+
+@functools.lru_cache(maxsize=256)
+def _cell_write(code):
+    """The enclosing function's variable that ``code`` assigns (``nonlocal``), or ``None``."""
+    for ins in dis.get_instructions(code):
+        if ins.opname in _CELL_STORES and ins.argval in code.co_freevars:
+            return ins.argval
+    return None
 
 
 def _refuse_cell_writes(fn):
     code = fn.__code__
-    for ins in dis.get_instructions(code):
-        if ins.opname in _CELL_STORES and ins.argval in code.co_freevars:
-            raise TypeError(f"{fn.__qualname__} assigns the enclosing function's variable {ins.argval!r} "
-                            f"(`nonlocal`, line {_line(code, ins.argval)}); a captured function gets copies "
-                            "of what it reads: return the value instead, or put it in an ai.Future")
+    name = _cell_write(code)
+    if name is not None:
+        raise TypeError(f"{fn.__qualname__} assigns the enclosing function's variable {name!r} "
+                        f"(`nonlocal`, line {_line(code, name)}); a captured function gets copies "
+                        "of what it reads: return the value instead, or put it in an ai.Future")
 
 
 def _line(code, name):

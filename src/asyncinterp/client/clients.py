@@ -36,6 +36,7 @@ import httpx
 
 from . import wire
 from .capture import Capture
+from .sources import source_text
 from .wire import RemoteError
 
 MSGPACK = "application/msgpack"
@@ -70,7 +71,7 @@ def intervention_spec(intervention, params: dict | None = None) -> dict | None:
         return {"name": intervention, "params": params}
     if inspect.iscoroutinefunction(intervention):
         try:
-            source = textwrap.dedent(inspect.getsource(intervention))
+            source = source_text(intervention)
         except (OSError, TypeError) as exc:
             raise TypeError(f"cannot get the source of {intervention!r} to send it ({exc}); pass the source "
                             "text instead") from None

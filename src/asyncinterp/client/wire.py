@@ -220,6 +220,24 @@ def packb(obj) -> bytes:
     return _pack(_prepare(obj))
 
 
+def packb_array(encoded) -> bytes:
+    """A msgpack array of values already encoded (each the bytes of :func:`packb`), not encoded again."""
+    return msgpack.Packer().pack_array_header(len(encoded)) + b"".join(encoded)
+
+
+def packb_with(obj: dict, key: str, encoded: bytes) -> bytes:
+    """``packb({**obj, key: value})`` where ``encoded`` is ``packb(value)`` already: the value is not encoded
+    again (a worker's answer passes through the server this way)."""
+    if key in obj:
+        raise ValueError(f"{key!r} is given twice")
+    return msgpack.Packer().pack_map_header(len(obj) + 1) + packb(obj)[_map_header_size(len(obj)):] \
+        + packb(key) + encoded
+
+
+def _map_header_size(n: int) -> int:
+    return 1 if n < 16 else 3 if n < 2 ** 16 else 5
+
+
 def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS, _depth: int = 0):
     """Decode untrusted bytes; raises :class:`WireError` for anything malformed or too large."""
     if not isinstance(data, (bytes, bytearray, memoryview)):

@@ -108,7 +108,7 @@ async def _jobs(server, request):
                 fields["stream"] = True
                 return StreamingResponse(server.stream_events(events, _worker_event), media_type=MSGPACK_STREAM)
             call = functools.partial(server.batcher.job, data, code=code, **envelope)
-            return await server.respond(request, fields, call, lambda results: {"ok": True, "results": results})
+            return await server.respond(request, fields, call, _worker_answer)
         meter = on_cancel = None
         if sandbox is not None:
             meter = sandbox.clock
@@ -136,10 +136,21 @@ def _has_code(job) -> bool:
     return any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
 
 
+def _worker_answer(results: bytes) -> Response:
+    """The answer of a job a worker process ran: its results as the worker encoded them, not encoded again."""
+    return Response(wire.packb_with({"ok": True}, "results", _encoded(results)), media_type=MSGPACK)
+
+
 def _worker_event(ev) -> bytes:
     if ev["event"] == "done":
-        return wire.packb({"event": "done", "ok": True, "results": ev["result"]})
+        return wire.packb_with({"event": "done", "ok": True}, "results", _encoded(ev["result"]))
     return wire.packb(ev)
+
+
+def _encoded(results) -> bytes:
+    if not isinstance(results, bytes):
+        raise wire.WireError(f"the worker process answered with a {type(results).__name__}, not encoded results")
+    return results
 
 
 async def run_in_worker(worker, jid, msg, timeout) -> dict:
@@ -172,7 +183,8 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
             outcomes = await worker.batcher.answer(worker.batcher.start(checked, envelope), timeout)
     finally:
         worker.tags.pop(meter, None)
-    return {"t": "done", "id": jid, "ok": True, "value": _outcomes(job.kind, outcomes)}
+    # the results encoded once, here: the server passes these bytes on to the client as they are
+    return {"t": "done", "id": jid, "ok": True, "value": _encoded_outcomes(job.kind, outcomes)}
 
 
 def _check_versions(obj) -> None:
@@ -382,15 +394,23 @@ def _outcome(kind, ok, value) -> dict:
 
 def _outcomes(kind, outcomes) -> list:
     """Each invoke's entry; one whose result cannot be encoded gets its own error (the others keep theirs)."""
-    out = []
+    return [entry for entry, _ in _checked_outcomes(kind, outcomes)]
+
+
+def _encoded_outcomes(kind, outcomes) -> bytes:
+    """:func:`_outcomes` as the msgpack bytes of their list (each entry encoded once)."""
+    return wire.packb_array([data for _, data in _checked_outcomes(kind, outcomes)])
+
+
+def _checked_outcomes(kind, outcomes):
     for ok, value in outcomes:
         entry = _outcome(kind, ok, value)
         try:
-            wire.packb(entry)
+            data = wire.packb(entry)
         except wire.WireError as exc:
             entry = _outcome(kind, False, exc)
-        out.append(entry)
-    return out
+            data = wire.packb(entry)
+        yield entry, data
 
 
 def _answer(kind, outcomes) -> Response:

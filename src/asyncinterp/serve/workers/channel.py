@@ -9,6 +9,12 @@ messages over :data:`MAX_MESSAGE` bytes (it then treats the worker as
 broken). ``multiprocessing`` connections are used only through
 ``send_bytes``/``recv_bytes``, never ``send``/``recv`` (which pickle).
 
+What the server sends a worker goes through an :class:`Outbox`: written at
+once by the thread that sends it when the pipe takes it without waiting
+(the usual case: no thread hop between the server's event loop and the
+worker), else queued for a sender thread, the only writer that may block
+(a worker that stopped reading fills its pipe; nothing else then waits).
+
 The heartbeat is an 8-byte counter in shared memory (a ``memfd`` mapped
 by both processes; its descriptor travels with the worker's start, see
 :mod:`.worker_start`) that a thread of the worker bumps every few
@@ -19,8 +25,11 @@ and the server, which reads it from its own process, sees it.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
+import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -29,6 +38,7 @@ import time
 from ...client import wire
 
 MAX_MESSAGE = 512 << 20      # the largest message either side accepts (a result may hold 256 MiB tensors)
+DIRECT_MAX = 64 << 10        # an Outbox writes a message up to this size from the sending thread when it can
 
 # the server trusts itself: what it sends the worker is decoded with generous limits
 TRUSTED_LIMITS = wire.answer_limits(MAX_MESSAGE)
@@ -46,6 +56,7 @@ class Channel:
     def __init__(self, conn):
         self.conn = conn
         self.lock = threading.Lock()
+        self.sock = None        # the pipe as a socket, for writes that must not wait (try_send)
 
     def send(self, msg: dict) -> None:
         self.send_bytes(wire.packb(msg))
@@ -61,11 +72,96 @@ class Channel:
             raise wire.WireError(f"a message must be a map, got {type(msg).__name__}")
         return msg
 
+    def try_send(self, frame: bytes) -> int:
+        """Write what the pipe takes of ``frame`` without waiting; the bytes written (0: none, or no socket).
+
+        ``frame`` is raw bytes on the pipe (:func:`frame` a message first); the caller makes sure no other
+        write is under way (:class:`Outbox`)."""
+        if self.sock is None:
+            fd = self.conn.fileno()
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):   # a one-way os.pipe: every write may block
+                return 0
+            self.sock = socket.socket(fileno=os.dup(fd))
+            self.sock.setblocking(True)   # the descriptor's mode is shared with conn, which blocks
+        try:
+            return self.sock.send(frame, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def send_raw(self, data: bytes) -> None:
+        """Write ``data`` as it is, waiting as long as it takes (the rest of a frame :meth:`try_send` began)."""
+        with self.lock:
+            self.sock.sendall(data)
+
     def fileno(self) -> int:
         return self.conn.fileno()
 
     def close(self) -> None:
         self.conn.close()
+        if self.sock is not None:
+            self.sock.close()
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` as ``Connection.send_bytes`` puts it on the pipe (its length first), for ``recv_bytes``."""
+    return struct.pack("!i", len(data)) + data
+
+
+class Outbox:
+    """What the server sends one worker, in order, without ever waiting on the worker.
+
+    :meth:`put` writes a message at once, from the calling thread, when
+    nothing is queued or being written before it and the pipe takes it
+    whole without waiting; otherwise the message (or what a partial write
+    left of it) is queued for the sender thread (:meth:`run`), which waits
+    on the pipe as long as it takes. ``put(None)``: close (what is queued
+    is still written, then :meth:`run` returns).
+    """
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self.cond = threading.Condition()
+        self.queue = collections.deque()   # (raw, data): the rest of a started frame, or a whole message
+        self.writing = False               # the sender thread is writing
+        self.closed = False
+
+    def put(self, data: bytes | None) -> None:
+        with self.cond:
+            if self.closed:
+                return
+            if data is None:
+                self.closed = True
+            elif self.queue or self.writing or len(data) > DIRECT_MAX:
+                self.queue.append((False, data))
+            else:
+                whole = frame(data)
+                try:
+                    n = self.channel.try_send(whole)
+                except OSError:      # a broken pipe: the sender thread meets the error again and reports it
+                    n = 0
+                if n == len(whole):
+                    return
+                self.queue.append((True, whole[n:]) if n else (False, data))
+            self.cond.notify()
+
+    def run(self) -> None:
+        """The sender thread: write what is queued until closed; ``OSError``/``ValueError``: the pipe failed."""
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                raw, data = self.queue.popleft()
+                self.writing = True
+            try:
+                if raw:
+                    self.channel.send_raw(data)
+                else:
+                    self.channel.send_bytes(data)
+            finally:
+                with self.cond:
+                    self.writing = False
 
 
 class Heartbeat:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -26,7 +25,7 @@ from ...client import wire
 from . import worker_results
 from ..scheduling.batcher import BatcherClosed, BatcherFull, GenerateResult
 from ..scheduling.submission import Submission
-from .channel import Channel, Heartbeat
+from .channel import Channel, Heartbeat, Outbox
 from ..scheduling.worker_failures import Cause, RemoteFailure, WorkerUnavailable, cause_of_exit, failure_for
 
 log = logging.getLogger("asyncinterp.serve.workers.supervisor")
@@ -57,7 +56,8 @@ class WorkerHandle:
         self.batch_deadline = None    # the running batch's hard deadline (time.monotonic())
         self.beat_seen = -1
         self.beat_at = born
-        self.outbox = queue.SimpleQueue()
+        self.outbox = Outbox(channel)  # what is sent to it (written at once when its pipe takes it)
+        self.told_arriving = False    # whether it was last told that requests are on their way (relay_arrivals)
         self.threads = []             # its reader and sender threads
 
     def close_pipe(self) -> None:
@@ -102,6 +102,7 @@ class Pool:
         self.stale = False            # registrations changed since the worker started: replace it when idle
         self.forked_names = None      # the interventions registered when the worker started (it has those)
         self.forked_edits = None      # the named edits installed when the worker started (model_names)
+        self.arriving = 0             # requests on their way to the server (relay_arrivals)
         self.failed_starts = 0
         self.restarts = 0
         self.restart_began = None
@@ -119,14 +120,25 @@ class Pool:
             self.waiting.append(job)
             self.ensure_thread()
             self._dispatch()
-            self.cond.notify_all()
+            if self.waiting:            # not sent (no worker ready yet): the watch starts one or sends it later
+                self.cond.notify_all()
 
     def relay_arrivals(self, count: int) -> None:
-        """Tell the worker how many requests are on their way to the server (its batches wait only for those)."""
+        """Tell the worker how many requests are on their way to the server (its batches wait only for those).
+
+        Only a worker that holds requests hears it at once (only a batch can wait); an idle one hears it with
+        its next request (:meth:`_send`), so a lone request costs the worker no message but its own."""
         with self.cond:
+            self.arriving = count
             w = self.worker
-            if w is not None and w.ready and not w.doomed:
-                w.outbox.put(wire.packb({"op": "arrivals", "n": count}))
+            if w is not None and w.jobs:
+                self._tell_arrivals(w)
+
+    def _tell_arrivals(self, w: WorkerHandle) -> None:   # under the lock
+        some = self.arriving > 0
+        if w.ready and not w.doomed and w.told_arriving != some:
+            w.told_arriving = some
+            w.outbox.put(wire.packb({"op": "arrivals", "n": self.arriving}))
 
     def edits_installed(self, names) -> None:
         """A request runs the named edits ``names``: a worker forked before one of them was installed has not
@@ -190,6 +202,7 @@ class Pool:
         if job.forwarded:                       # its first run streamed events that a re-run will repeat
             job.mailbox.put(("event", True, {"event": "restart"}))
             job.forwarded = 0
+        self._tell_arrivals(w)
         w.outbox.put(wire.packb(dict(job.fields, alone=True)) if alone else job.wire)
 
     # ------------------------------------------------------------------ from the worker (reader thread)
@@ -211,17 +224,12 @@ class Pool:
             self.cond.notify_all()
 
     def _send_loop(self, w: WorkerHandle) -> None:
-        while True:
-            data = w.outbox.get()
-            if data is None:
-                return
-            try:
-                w.channel.send_bytes(data)
-            except (OSError, ValueError) as exc:
-                with self.cond:
-                    w.broken = w.broken or f"cannot write to its pipe ({exc})"
-                    self.cond.notify_all()
-                return
+        try:
+            w.outbox.run()
+        except (OSError, ValueError) as exc:
+            with self.cond:
+                w.broken = w.broken or f"cannot write to its pipe ({exc})"
+                self.cond.notify_all()
 
     def _on_message(self, w: WorkerHandle, msg: dict) -> bool:
         """Apply one message (under the lock); ``False`` if it is not a valid message."""

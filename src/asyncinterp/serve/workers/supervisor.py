@@ -309,7 +309,8 @@ class Supervisor(aio.Closable):
 
     async def job(self, data: bytes, *, code: bool, timeout: float | None = None, inputs=None, owner=None):
         """A remote job (``POST /v1/jobs``, already checked by the server): a worker rebuilds and runs it whole;
-        returns its answer's ``results`` (one entry per invoke, see :mod:`.jobs_api`). ``code``: it has
+        returns its answer's ``results`` (one entry per invoke, see :mod:`.jobs_api`) as the msgpack bytes the
+        worker encoded (passed on to the client as they are, never decoded and encoded again). ``code``: it has
         captured functions (the code pool runs it); ``inputs``: its prompts as the server tokenized them."""
         return await self._wait(self._submit_job(data, code, timeout, False, inputs, owner))
 

@@ -245,7 +245,10 @@ class Worker:
                            "threads": self.settings.get("threads_at_start")})
         while True:
             try:
-                msg = await aio.to_thread(self.channel.recv, True)
+                # read in this loop (no thread hop): the server writes each message whole, so one that is
+                # readable is read at once
+                await aio.wait_readable(self.channel)
+                msg = self.channel.recv(True)
             except (EOFError, OSError):
                 break
             op = msg.get("op")

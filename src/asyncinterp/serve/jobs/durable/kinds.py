@@ -81,7 +81,10 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     try:
         async for ev in events:
             if ev["event"] == "done":
-                results = ev["result"] if encode is None else jobs_api.outcomes_of(encode, ev["result"])
+                if encode is None:   # a worker process's results, as it encoded them (jobs_api.run_in_worker)
+                    results = wire.unpackb(ev["result"], wire.answer_limits(len(ev["result"])))
+                else:
+                    results = jobs_api.outcomes_of(encode, ev["result"])
                 return {"ok": True, "results": results}
             if ev["event"] == "token":
                 steps[ev.get("invoke", 0)] = ev.get("step", 0) + 1

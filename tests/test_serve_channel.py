@@ -1,0 +1,110 @@
+"""The server's messages to a worker process (issue 30): written at once when the pipe takes them, never waiting
+on a worker that does not read, always whole and in order.
+
+The :class:`~asyncinterp.serve.workers.channel.Outbox` writes a message from the sending thread (the server's
+event loop) when nothing is queued before it and the pipe takes it without waiting; everything else, and the
+rest of a message the pipe took only part of, goes to the sender thread. Here the reading end stays unread
+while megabytes are sent: no ``put`` may block, and once the end is read every message arrives, whole, in order.
+"""
+
+import multiprocessing
+import threading
+import time
+
+from asyncinterp.serve.workers.channel import DIRECT_MAX, Channel, Outbox
+
+
+def pipe():
+    ours, theirs = multiprocessing.get_context("fork").Pipe(duplex=True)
+    return Channel(ours), theirs
+
+
+def start_sender(outbox):
+    sender = threading.Thread(target=outbox.run, daemon=True)
+    sender.start()
+    return sender
+
+
+def close(outbox, sender, channel):
+    outbox.put(None)
+    sender.join(5)
+    assert not sender.is_alive(), "the sender thread did not end when the outbox closed"
+    channel.close()
+
+
+def received(conn, n, timeout=30.0):
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        assert conn.poll(max(0.0, deadline - time.monotonic())), f"only {len(out)} of {n} messages arrived"
+        out.append(conn.recv_bytes())
+    return out
+
+
+def test_a_lone_small_message_is_written_by_its_sender_without_the_thread():
+    channel, theirs = pipe()
+    outbox = Outbox(channel)            # no sender thread runs
+    outbox.put(b"run job 1")
+    assert theirs.poll(5) and theirs.recv_bytes() == b"run job 1"
+    big = bytes(range(256)) * (DIRECT_MAX // 256 + 1)
+    outbox.put(big)                     # too large to write from the caller: queued for the thread
+    assert not theirs.poll(0.2)
+    sender = start_sender(outbox)
+    assert received(theirs, 1) == [big]
+    close(outbox, sender, channel)
+
+
+def test_sending_never_waits_on_a_worker_that_does_not_read_and_nothing_is_lost_or_reordered():
+    channel, theirs = pipe()
+    outbox = Outbox(channel)
+    messages = [(b"%06d" % i) + bytes([i % 251]) * (7000 + 997 * (i % 17)) for i in range(400)]   # ~5 MB
+    t0 = time.monotonic()
+    for m in messages:                  # nobody reads and no sender thread runs yet: the pipe fills up
+        outbox.put(m)
+    assert time.monotonic() - t0 < 5.0, "put waited on the pipe"
+    assert outbox.queue, "the pipe took 5 MB without anybody reading: the test did not fill it"
+    sender = start_sender(outbox)
+    got = received(theirs, len(messages))
+    assert got == messages              # whole and in order
+    outbox.put(b"after")                # the queue drained: written at once again
+    assert received(theirs, 1) == [b"after"]
+    close(outbox, sender, channel)
+
+
+def test_a_broken_pipe_is_reported_by_the_sender_thread():
+    channel, theirs = pipe()
+    outbox = Outbox(channel)
+    theirs.close()                      # the worker died
+    errors = []
+
+    def run():
+        try:
+            outbox.run()
+        except (OSError, ValueError) as exc:
+            errors.append(exc)
+    sender = threading.Thread(target=run, daemon=True)
+    sender.start()
+    for _ in range(3):
+        outbox.put(b"x" * 100)          # never raises in the caller
+    sender.join(5)
+    assert errors and isinstance(errors[0], OSError), errors
+    channel.close()
+
+
+class _TakesHalf(Channel):
+    """A pipe that takes only the first half of what is written at once (as a full TCP or pipe buffer may)."""
+
+    def try_send(self, frame):
+        return super().try_send(frame[:max(1, len(frame) // 2)])
+
+
+def test_the_rest_of_a_message_the_pipe_took_in_part_goes_first():
+    ours, theirs = multiprocessing.get_context("fork").Pipe(duplex=True)
+    channel = _TakesHalf(ours)
+    outbox = Outbox(channel)
+    outbox.put(b"first message, written in part")
+    outbox.put(b"second")             # queued behind the rest of the first
+    assert [raw for raw, _ in outbox.queue] == [True, False]
+    sender = start_sender(outbox)
+    assert received(theirs, 2) == [b"first message, written in part", b"second"]
+    close(outbox, sender, channel)
