@@ -65,7 +65,7 @@ class Envelope(NamedTuple):
     """
 
     owner: object = None
-    budget: Meter | None = None
+    budget: object = None          # a Meter (or None: a fresh one)
     deadline: float | None = None
     receipt: object = None
     listener: object = None
