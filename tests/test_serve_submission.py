@@ -84,6 +84,18 @@ def test_a_failing_invoke_fails_alone_in_its_outcome_and_the_others_keep_theirs(
     assert kept[0][0] is False and kept[1][0] is True and len(kept[1][1]) == len(model.transformer.h)
 
 
+def test_what_a_served_run_cannot_honour_is_refused_not_dropped(model):
+    front = Batcher(model)
+    try:
+        with pytest.raises(ValueError, match="persistent edits"):
+            front.start(Job((InvokeSpec(None, (last,), background=True), InvokeSpec("hello", (last,)))))
+        with pytest.raises(ValueError, match="context"):
+            front.start(Job((InvokeSpec("hello", (last,)),), context={"secret": 1}))
+        assert front.queue_size() == 0
+    finally:
+        front.close()
+
+
 def test_the_fronts_make_invoke_refuses_a_bad_intervention_on_the_callers_line(model):
     front = Batcher(model)
     try:

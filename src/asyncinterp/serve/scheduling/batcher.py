@@ -162,6 +162,12 @@ class Batcher(aio.Closable):
         engine: hand it to the engine now) and return its :class:`~.submission.Submission`, whose answer
         :meth:`answer` awaits. ``single``: its answer is its one invoke's value, not one ``(ok, value)`` per
         invoke."""
+        if any(spec.background for spec in job.invokes):
+            raise ValueError("a job with persistent edits (model.edit) cannot go through the serving front: the "
+                             "front runs its model's own edits; send the job's other invokes")
+        if job.context:
+            raise ValueError(f"a job's context ({sorted(map(str, job.context))}) does not reach a served run: "
+                             "pass what the interventions need as their arguments")
         generation = dict(job.generation or {})
         max_new_tokens = generation.pop("max_new_tokens", None)
         return self._submission(job.kind, job.invokes, job.on_error, generation, max_new_tokens, stream, single,
