@@ -52,7 +52,7 @@ def test_a_job_goes_to_the_front_as_it_is_and_answers_as_locally(model):
             sub = front.start(job, Envelope(owner="me", budget=Meter(), deadline=30.0, receipt={"r": 1}))
             assert isinstance(sub, Submission) and sub.size == 2 and sub.envelope.owner == "me"
             assert sub.envelope.receipt == {"r": 1} and sub.meter is sub.envelope.budget
-            return await front.answer(sub, 30.0)
+            return await front.answer(sub)
     outcomes = run(main())
     with model.trace() as tr:
         a = tr.invoke("The cat sat on the", last)
@@ -66,7 +66,7 @@ def test_a_single_submission_answers_its_one_value(model):
 
     async def main():
         async with Batcher(model) as front:
-            return await front.answer(front.start(job, single=True), 30.0)
+            return await front.answer(front.start(job, single=True))
     assert torch.equal(run(main()), model.trace("The cat sat on the", last))
 
 
@@ -77,7 +77,7 @@ def test_a_failing_invoke_fails_alone_in_its_outcome_and_the_others_keep_theirs(
 
     async def main(on_error):
         async with Batcher(model, max_batch=4) as front:
-            return await front.answer(front.start(job(on_error)), 30.0)
+            return await front.answer(front.start(job(on_error)))
     stopped = run(main("stop"))    # the client raises the first failure of a job with on_error="stop"
     assert stopped[0][0] is False and isinstance(stopped[0][1], ValueError)
     kept = run(main("continue"))
@@ -121,7 +121,7 @@ def test_a_cancelled_submission_never_runs_and_calls_its_listener(model):
                                  single=True)
             assert queued.cancel() is True and queued.cancel() is False
             front.unqueue(queued)
-            await front.answer(blocker, 30.0)
+            await front.answer(blocker)
             return queued.state
     assert run(main()) == "cancelled" and ran == [] and heard == [1]
 

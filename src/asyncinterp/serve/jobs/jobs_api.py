@@ -118,7 +118,7 @@ async def _jobs(server, request):
         envelope = Envelope(owners.owner(server, request), meter, timeout, None, on_cancel)
         if stream:
             try:
-                events = server.batcher.events(server.batcher.start(checked, envelope, stream=True), timeout)
+                events = server.batcher.events(server.batcher.start(checked, envelope, stream=True))
             except Exception as exc:  # noqa: BLE001 - BatcherFull and friends: the error table answers
                 raise errors.failure(exc) from None
             fields["stream"] = True
@@ -126,7 +126,7 @@ async def _jobs(server, request):
             return StreamingResponse(server.stream_events(events, encode), media_type=MSGPACK_STREAM)
 
         async def call():
-            return await server.batcher.answer(server.batcher.start(checked, envelope), timeout)
+            return await server.batcher.answer(server.batcher.start(checked, envelope))
         return await server.respond(request, fields, call, lambda outcomes: _answer(job.kind, outcomes))
     return await server.guarded(request, "job", work)
 
@@ -170,7 +170,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     envelope = Envelope(None, meter, timeout, None, on_cancel)
     try:
         if msg.get("stream"):
-            events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True), timeout)
+            events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True))
             try:
                 async for ev in events:
                     if ev["event"] == "done":
@@ -180,7 +180,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
             finally:
                 await events.aclose()
         else:
-            outcomes = await worker.batcher.answer(worker.batcher.start(checked, envelope), timeout)
+            outcomes = await worker.batcher.answer(worker.batcher.start(checked, envelope))
     finally:
         worker.tags.pop(meter, None)
     # the results encoded once, here: the server passes these bytes on to the client as they are

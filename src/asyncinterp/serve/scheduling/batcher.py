@@ -173,15 +173,15 @@ class Batcher(aio.Closable):
         return self._submission(job.kind, job.invokes, job.on_error, generation, max_new_tokens, stream, single,
                                 envelope)
 
-    async def answer(self, sub: Submission, timeout: float | None = None):
-        """Wait for ``sub``'s answer (``TimeoutError`` after ``timeout``, extended by the time other requests'
-        metered code held the worker: :class:`Meter`); leaving early cancels it."""
-        return await self._wait(sub, timeout)
+    async def answer(self, sub: Submission):
+        """Wait for ``sub``'s answer (``TimeoutError`` at its envelope's deadline, extended by the time other
+        requests' metered code held the worker: :class:`Meter`); leaving early cancels it."""
+        return await self._wait(sub)
 
-    def events(self, sub: Submission, timeout: float | None = None) -> "GenerationStream":
+    def events(self, sub: Submission) -> "GenerationStream":
         """``sub``'s events as an async iterator (a streaming submission: tokens, emitted values, tagged
         ``"invoke": i`` when it has several invokes), then ``{"event": "done", "result": ...}``."""
-        return GenerationStream(self, sub, self._deadline(timeout))
+        return GenerationStream(self, sub, self._deadline(sub.envelope.deadline))
 
     # ------------------------------------------------------------------ public
     async def trace(self, input, *fns, timeout: float | None = None, on_cancel=None, meter=None, owner=None,
@@ -198,14 +198,14 @@ class Batcher(aio.Closable):
         """
         sub = self._submission("trace", ((input, fns, kwargs),), "stop", None, None, False, True,
                                Envelope(owner, meter, timeout, receipt, on_cancel))
-        return await self._wait(sub, timeout)
+        return await self._wait(sub)
 
     async def generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
                        on_cancel=None, meter=None, owner=None, receipt=None, **generate_kwargs) -> GenerateResult:
         """Generate for ``input`` with ``fns`` in a shared generation; returns a :class:`GenerateResult`."""
         sub = self._single_generation(input, fns, max_new_tokens, generate_kwargs, False,
                                       Envelope(owner, meter, timeout, receipt, on_cancel))
-        return await self._wait(sub, timeout)
+        return await self._wait(sub)
 
     def stream_generate(self, input, *fns, max_new_tokens: int = 20, timeout: float | None = None,
                         on_cancel=None, meter=None, owner=None, receipt=None,
@@ -222,7 +222,7 @@ class Batcher(aio.Closable):
         """
         sub = self._single_generation(input, fns, max_new_tokens, generate_kwargs, True,
                                       Envelope(owner, meter, timeout, receipt, on_cancel))
-        return GenerationStream(self, sub, self._deadline(timeout))
+        return self.events(sub)
 
     def queue_size(self) -> int:
         return len(self._pending) + len(self._running)
@@ -321,8 +321,8 @@ class Batcher(aio.Closable):
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    async def _wait(self, sub, timeout):
-        deadline = self._deadline(timeout)
+    async def _wait(self, sub):
+        deadline = self._deadline(sub.envelope.deadline)
         try:
             while True:
                 kind, ok, value = await _next_item(sub, deadline)

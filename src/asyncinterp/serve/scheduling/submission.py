@@ -127,10 +127,6 @@ class Submission:
         """How many invokes this submission puts into a batch (it is never split)."""
         return len(self.invokes)
 
-    @property
-    def on_cancel(self):
-        return self.envelope.listener
-
     # worker side -------------------------------------------------------------
     def start(self) -> bool:
         """Queued -> running (``False``: it was cancelled or answered meanwhile)."""

@@ -345,10 +345,10 @@ class Worker:
             finally:
                 self.tags.pop(run.clock, None)
         if kind == "trace":
-            value = await batcher.answer(batcher.start(job, envelope, single=True), timeout)
+            value = await batcher.answer(batcher.start(job, envelope, single=True))
             return {"t": "done", "id": jid, "ok": True, "value": value}
         if msg.get("stream"):
-            stream = batcher.events(batcher.start(job, envelope, single=True, stream=True), timeout)
+            stream = batcher.events(batcher.start(job, envelope, single=True, stream=True))
             try:
                 async for ev in stream:
                     if ev["event"] == "done":
@@ -356,7 +356,7 @@ class Worker:
                     self._event(jid, ev)
             finally:
                 await stream.aclose()
-        return _generated(jid, await batcher.answer(batcher.start(job, envelope, single=True), timeout))
+        return _generated(jid, await batcher.answer(batcher.start(job, envelope, single=True)))
 
     def _event(self, jid, ev) -> None:
         try:

@@ -74,7 +74,7 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
             def on_cancel():
                 sandbox.clock.cancelled = True
         sub = server.batcher.start(checked, Envelope(None, meter, timeout, None, on_cancel), stream=True)
-        events = server.batcher.events(sub, timeout)
+        events = server.batcher.events(sub)
         encode = job.kind
     steps = {}
     progress({"phase": "forward", "invokes": len(checked.invokes)})
