@@ -21,17 +21,14 @@ import secrets
 import openai
 import pytest
 
-import asyncinterp as ai
-from asyncinterp.serve import Server
-from test_serve_http import Live
-from vllm_helpers import ENGINE
+from vllm_helpers import PREFIX_BLOCK, served_engine
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 pytestmark = pytest.mark.vllm
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 NAME = "tiny-vllm"
-BLOCK = 32
+BLOCK = PREFIX_BLOCK
 N = 8
 SHARED = ("the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat near the old "
           "red barn, and the farmer walks slowly along the muddy path to feed the hungry cows and the "
@@ -67,17 +64,12 @@ def prompt(words):
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    vm = ai.VLLM(tiny_dir, enable_prefix_caching=True, block_size=BLOCK, **ENGINE)
-    server = Server(vm, api_keys=[KEY_A, KEY_B], name=NAME, timeout=60, prompt_tokens_details=True)
-    server.intervention("own")(own)
-    server.add_edit("shift", shift)
-    server.add_edit("poison", poison)
-    srv = Live(server)
-    try:
-        yield vm, srv
-    finally:
-        srv.close()
-        vm.close()
+    def setup(server):
+        server.intervention("own")(own)
+        server.add_edit("shift", shift)
+        server.add_edit("poison", poison)
+    with served_engine(tiny_dir, setup, api_keys=[KEY_A, KEY_B], name=NAME) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -32,18 +32,16 @@ import openai
 import pytest
 import torch
 
-import asyncinterp as ai
-from asyncinterp.serve import AsyncClient, Client, Server, wire
+from asyncinterp.serve import AsyncClient, Client, wire
 from asyncinterp.serve.http.app import Range
-from test_serve_http import Live
-from vllm_helpers import ENGINE, hf_model, make_tiny_dir, require_vllm
+from vllm_helpers import PREFIX_BLOCK, hf_model, served_engine
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 pytestmark = pytest.mark.vllm
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 NAME = "tiny-vllm"
-BLOCK = 32
+BLOCK = PREFIX_BLOCK
 # 64+ tokens after any leading words: at least two full 32-token blocks that vLLM's prefix cache can share
 SHARED = ("the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat near the old "
           "red barn, and the farmer walks slowly along the muddy path to feed the hungry cows and the "
@@ -113,17 +111,11 @@ async def seen(m):
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    vm = ai.VLLM(tiny_dir, enable_prefix_caching=True, block_size=BLOCK, **ENGINE)
-    server = Server(vm, api_keys=[KEY_A, KEY_B], name=NAME, allow_code=True, timeout=60,
-                    prompt_tokens_details=True)
-    for fn in (poison, shift, probe, edit_early):
-        server.intervention(fn.__name__)(fn)
-    srv = Live(server)
-    try:
-        yield vm, srv
-    finally:
-        srv.close()
-        vm.close()
+    def setup(server):
+        for fn in (poison, shift, probe, edit_early):
+            server.intervention(fn.__name__)(fn)
+    with served_engine(tiny_dir, setup, api_keys=[KEY_A, KEY_B], name=NAME, allow_code=True) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,15 @@ import httpx
 import openai
 import pytest
 
-import asyncinterp as ai
-from asyncinterp.serve import Server
 from asyncinterp.serve.jobs.durable.service import Durable, DurableConfig
-from test_serve_http import Live
-from vllm_helpers import ENGINE
+from vllm_helpers import PREFIX_BLOCK, served_engine
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 pytestmark = pytest.mark.vllm
 
 KEY, ADMIN = "vllm-user", "vllm-admin"
 NAME = "tiny-vllm"
-BLOCK = 32
+BLOCK = PREFIX_BLOCK
 N = 6
 PROMPT = ("runtime edits: the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat near "
           "the old red barn, and the farmer walks slowly along the muddy path to feed the hungry cows")
@@ -39,16 +36,11 @@ async def shift(m):
 
 @pytest.fixture(scope="module")
 def served(tiny_dir, tmp_path_factory):
-    vm = ai.VLLM(tiny_dir, enable_prefix_caching=True, block_size=BLOCK, **ENGINE)
-    server = Server(vm, api_keys=[KEY, ADMIN], name=NAME, timeout=60, prompt_tokens_details=True)
-    server.durable = Durable(server, DurableConfig(state_dir=str(tmp_path_factory.mktemp("state")),
-                                                   admin_keys=(ADMIN,)))
-    srv = Live(server)
-    try:
-        yield vm, srv
-    finally:
-        srv.close()
-        vm.close()
+    def setup(server):
+        server.durable = Durable(server, DurableConfig(state_dir=str(tmp_path_factory.mktemp("state")),
+                                                       admin_keys=(ADMIN,)))
+    with served_engine(tiny_dir, setup, api_keys=[KEY, ADMIN], name=NAME) as served:
+        yield served
 
 
 def register(url, shift):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=0)
+PREFIX_BLOCK = 32   # the prefix cache's block size in the serving tests (prompts are written to span several)
 
 
 def require_vllm():
@@ -72,3 +74,23 @@ def cli_engine(path, *flags):
     argv = [str(path), "--engine", "vllm", "--dtype", ENGINE["dtype"], "--max-model-len", str(ENGINE["max_model_len"]),
             "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), "--seed", str(ENGINE["seed"]), *flags]
     return build_model(p.parse_args(argv))
+
+
+@contextlib.contextmanager
+def served_engine(model_dir, setup, **server_kwargs):
+    """A prefix-caching tiny vLLM engine behind a real server on uvicorn: ``setup(server)`` registers what a
+    test module needs before it starts serving; yields ``(engine, live)`` and closes both at the end."""
+    import asyncinterp as ai
+    from asyncinterp.serve import Server
+    from remote_helpers import Live
+    vm = ai.VLLM(model_dir, enable_prefix_caching=True, block_size=PREFIX_BLOCK, **ENGINE)
+    try:
+        server = Server(vm, **{"timeout": 60, "prompt_tokens_details": True, **server_kwargs})
+        setup(server)
+        live = Live(server)
+        try:
+            yield vm, live
+        finally:
+            live.close()
+    finally:
+        vm.close()
