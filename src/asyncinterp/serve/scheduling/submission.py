@@ -80,7 +80,7 @@ class Submission:
     __slots__ = ("id", "kind", "invokes", "on_error", "gen", "max_new_tokens", "key", "single", "stream",
                  "envelope", "meter", "arrival", "state", "lock", "mailbox", "finished", "stopping", "outcomes",
                  # where a worker pool runs it (asyncinterp.serve.workers.pool)
-                 "fields", "wire", "timeout", "budget", "guard", "worker", "suspect", "forwarded", "pool")
+                 "fields", "wire", "timeout", "code_budget", "guard", "worker", "suspect", "forwarded", "pool")
 
     def __init__(self, kind: str, invokes, *, on_error: str = "stop", gen=None, max_new_tokens=None, key=None,
                  single: bool = False, stream: bool = False, envelope: Envelope = NO_ENVELOPE):
@@ -103,13 +103,13 @@ class Submission:
         self.invokes = [ServedInvoke(self, i, *spec) for i, spec in enumerate(invokes)]
         self.outcomes = [None] * len(self.invokes)
         self.fields = self.wire = self.worker = self.pool = None
-        self.timeout = self.budget = 0.0
+        self.timeout = self.code_budget = 0.0   # seconds: its time limit, its code's compute budget
         self.guard = None
         self.suspect = False           # it was in a batch that a worker died running: it is re-run alone
         self.forwarded = 0             # stream events passed on; a re-run first sends a "restart" event
 
     @classmethod
-    def for_worker(cls, kind: str, fields: dict, *, timeout: float, budget: float, guard: float,
+    def for_worker(cls, kind: str, fields: dict, *, timeout: float, code_budget: float, guard: float,
                    stream: bool = False, envelope: Envelope = NO_ENVELOPE) -> "Submission":
         """A submission that a worker process runs: ``fields`` is its wire form (a job's bytes, or one
         intervention's request), sent as it is (and once more, marked ``alone``, if it is re-run by itself)."""
@@ -118,7 +118,7 @@ class Submission:
         sub.fields = dict(fields, op="run", id=sub.id, kind=kind, timeout=timeout)
         sub.wire = wire.packb(sub.fields)
         sub.timeout = timeout
-        sub.budget = budget
+        sub.code_budget = code_budget
         sub.guard = time.monotonic() + guard
         return sub
 

@@ -255,7 +255,7 @@ class Pool:
             jobs = [w.jobs[i] for i in ids if isinstance(i, int) and i in w.jobs]
             w.batch = [j.id for j in jobs]
             w.batch_started = now
-            w.batch_deadline = now + max((j.timeout for j in jobs), default=0.0) + sum(j.budget for j in jobs) \
+            w.batch_deadline = now + max((j.timeout for j in jobs), default=0.0) + sum(j.code_budget for j in jobs) \
                 + self.sup.options.hang_timeout
             for j in jobs:
                 if j.state == "sent":

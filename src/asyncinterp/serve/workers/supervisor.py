@@ -328,7 +328,7 @@ class Supervisor(aio.Closable):
         pool = self.pools["code" if code and "code" in self.pools else "trusted"]
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
         sub = Submission.for_worker("job", {"job": data, "stream": stream, "inputs": inputs}, timeout=timeout,
-                                    budget=min(self.server.code_budget, timeout) if code else 0.0, guard=guard,
+                                    code_budget=min(self.server.code_budget, timeout) if code else 0.0, guard=guard,
                                     stream=stream, envelope=Envelope(owner, None, timeout))
         arrived()   # before it is sent: in the worker it is on its way until submitted there (Worker._arriving)
         pool.submit(sub)
@@ -381,7 +381,7 @@ class Supervisor(aio.Closable):
             generation = dict(fields["gen"], max_new_tokens=fields["max_new_tokens"]) if kind == "generate" else {}
             specs = [{"edit": name} for name in edits] + ([spec.spec] if spec is not None else [])
             fields = {"job": served_job(kind, input, specs, generation), "stream": fields.get("stream", False)}
-        job = Submission.for_worker(kind, fields, timeout=timeout, budget=budget, guard=guard,
+        job = Submission.for_worker(kind, fields, timeout=timeout, code_budget=budget, guard=guard,
                                     stream=bool(fields.get("stream")), envelope=envelope)
         arrived()
         pool.submit(job)
