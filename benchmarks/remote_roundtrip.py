@@ -53,14 +53,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _serve(name):
+def _serve(name, extra=()):
     """``asyncinterp serve`` in a subprocess (as deployed: its own process, one BLAS thread); its URL."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p))
     cli = {"tiny": "tiny-gpt2", "smollm2": "smollm2"}[name]
     proc = subprocess.Popen([sys.executable, "-m", "asyncinterp.serve.cli", cli, "--port", str(port), "--allow-code",
                              "--code-budget", "30", "--timeout", "120", "--threads", "1",
-                             "--log-level", "warning"],
+                             "--log-level", "warning", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -146,15 +146,19 @@ def main(argv=None):
     ap.add_argument("--models", default="tiny,smollm2")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None, help="write benchmarks/results/<out>.md and .json")
+    ap.add_argument("--cases", default=None, help="comma-separated cases to run (default: all)")
+    ap.add_argument("--server-args", default="", help="more flags for `asyncinterp serve` (default: none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows = []
     for name, local in _models(args.models.split(",")):
-        proc, url = _serve(name)
+        proc, url = _serve(name, args.server_args.split())
         remote = ai.remote(url)
         try:
             for case, call in _cases(local).items():
+                if args.cases and case not in args.cases.split(","):
+                    continue
                 assert _same(call(local), call(remote)), f"{name}/{case}: remote differs from local"
                 for _ in range(3):   # warm both
                     call(local)
