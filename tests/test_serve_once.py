@@ -156,7 +156,7 @@ async def read_counters(m):
     return dict(_WORKER_COUNTS["counts"])
 
 
-def test_a_remote_trace_under_process_isolation_tokenizes_once_across_processes(lm):
+def test_a_remote_trace_under_process_isolation_is_read_and_tokenized_once_in_its_worker(lm):
     from asyncinterp.serve.workers.supervisor import ProcessIsolation
     server = Server(lm, api_keys=[KEY], allow_code=True, isolation=ProcessIsolation(code_worker=False))
     server.intervention("install_counters")(install_counters)
@@ -174,9 +174,10 @@ def test_a_remote_trace_under_process_isolation_tokenizes_once_across_processes(
                 got = remote.trace(PROMPT, read)
             there = client.trace("x", "read_counters")
         assert torch.allclose(got, lm.trace(PROMPT, read), atol=1e-5)
-        # this process: the client's Job and the server's one tokenization; the worker: the one Job that ran
-        assert here == {"tokenize": 1, "job": 1}, here
+        # this process: the client's Job; the server passes the job on unread (its outline only); the worker
+        # reads, checks and tokenizes it once, and runs it as its one Job
+        assert here == {"tokenize": 0, "job": 1}, here
         # (the reading request's own batch is a Job too, made before its intervention reads the counts)
-        assert there == {"tokenize": 0, "job": 1 + 1}, there
+        assert there == {"tokenize": 1, "job": 1 + 1}, there
     finally:
         srv.close()

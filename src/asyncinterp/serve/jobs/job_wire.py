@@ -40,7 +40,8 @@ from ...client.cache_wire import build_cache
 from ...client.job_form import JOB_FORMAT, Named, dumps_job  # noqa: F401
 from ..sandbox.rebuild import DescriptionRefused, intervention, rebuild
 
-__all__ = ["JOB_FORMAT", "JobParts", "Named", "dumps_job", "loads_job", "read_job", "served_job"]
+__all__ = ["JOB_FORMAT", "JobOutline", "JobParts", "Named", "dumps_job", "loads_job", "outline_job", "read_job",
+           "served_job"]
 
 
 class JobParts(NamedTuple):
@@ -53,6 +54,17 @@ class JobParts(NamedTuple):
     stop_per_invoke: bool
     generation: Mapping
     context: Mapping
+
+
+class JobOutline(NamedTuple):
+    """What a process that passes a job on (a supervised server) reads of it, compiling nothing: its kind, its
+    invokes, its generation options and whether it carries submitted code (captured functions, which only the
+    worker for submitted code may read)."""
+
+    kind: str
+    invokes: int
+    generation: Mapping
+    code: bool
 
 
 def loads_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMITS, *,
@@ -86,10 +98,7 @@ def read_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMIT
     """What :func:`loads_job` reads, without making a :class:`~asyncinterp.job.Job` of it: a server hands the parts
     to its front, which runs them in the one job of their batch (one ``Job`` per process, issue 30).
     ``edit(name)``: the function of a named edit (``{"edit": name}``, see :func:`served_job`)."""
-    body = wire.unpackb(data, limits)
-    if not isinstance(body, dict) or body.get("format") != JOB_FORMAT:
-        found = body.get("format") if isinstance(body, dict) else type(body).__name__
-        raise wire.WireError(f"not a job of wire format {JOB_FORMAT} (found {found!r})")
+    body = _body(data, limits)
     if compile_source is not None:
         description = body.get("capture")
         built = rebuild(description, compile_source)
@@ -115,12 +124,46 @@ def read_job(data: bytes, compile=None, limits: wire.Limits = wire.DEFAULT_LIMIT
         fns = tuple(compile(fn) for fn in _list(item, "fns"))
         specs.append(InvokeSpec(item.get("input"), fns, frozen_mapping(_map(item, "kwargs")),
                                 frozen_mapping(_map(item, "options")), (), bool(item.get("background"))))
+    kind, on_error = _kind(body)
+    return JobParts(tuple(specs), kind, on_error, bool(body.get("stop_per_invoke")),
+                    frozen_mapping(_map(body, "generation")), frozen_mapping(_map(body, "context")))
+
+
+def outline_job(data: bytes, limits: wire.Limits = wire.DEFAULT_LIMITS) -> JobOutline:
+    """The job's :class:`JobOutline`, read without compiling or checking any of its code: what a supervised
+    server needs to route a job to the worker that reads it whole (:func:`read_job`, once, where it runs)."""
+    body = _body(data, limits)
+    capture = body.get("capture")
+    code = capture is not None and (not isinstance(capture, dict) or bool(capture.get("functions")))
+    invokes = _list(body, "invokes")
+    for i, item in enumerate(invokes):
+        if not isinstance(item, dict):
+            raise wire.WireError(f"invoke {i} of the job is not a map")
+        code = code or not all(_trusted_form(spec) for spec in _list(item, "fns"))
+    kind, _ = _kind(body)
+    return JobOutline(kind, len(invokes), frozen_mapping(_map(body, "generation")), code)
+
+
+def _body(data: bytes, limits: wire.Limits) -> dict:
+    body = wire.unpackb(data, limits)
+    if not isinstance(body, dict) or body.get("format") != JOB_FORMAT:
+        found = body.get("format") if isinstance(body, dict) else type(body).__name__
+        raise wire.WireError(f"not a job of wire format {JOB_FORMAT} (found {found!r})")
+    return body
+
+
+def _kind(body: dict) -> tuple:
     kind, on_error = body.get("kind", "trace"), body.get("on_error", "stop")
     if kind not in ("trace", "generate") or on_error not in ("stop", "continue"):
         raise wire.WireError(f"a job's kind is 'trace' or 'generate' and its on_error 'stop' or 'continue', got "
                              f"{str(kind)[:40]!r} and {str(on_error)[:40]!r}")
-    return JobParts(tuple(specs), kind, on_error, bool(body.get("stop_per_invoke")),
-                    frozen_mapping(_map(body, "generation")), frozen_mapping(_map(body, "context")))
+    return kind, on_error
+
+
+def _trusted_form(spec) -> bool:
+    """Whether an intervention's wire form is one the server binds to its own code: a registered intervention
+    (``{"name", "params"}``) or an activation cache's options (``{"cache": ...}``), never a captured function."""
+    return isinstance(spec, dict) and "function" not in spec and ("name" in spec or "cache" in spec)
 
 
 def _or_cache(compile):

@@ -10,8 +10,10 @@ What ``ai.remote`` (:mod:`.remote`) sends. The body is a msgpack map:
   are produced (tagged ``"invoke": i``), then ``done`` (or ``error``).
 
 Every captured function is rebuilt through the sandbox (:class:`~.rebuild_sandbox.Sandboxed`: the
-static check, instrumentation, private copies of captured values, the restricted model view); a server
-without ``--allow-code`` accepts only interventions registered on it, by name. The job's invokes run as
+static check, instrumentation, private copies of captured values, the restricted model view) in the process
+that runs it: a supervised server reads only the job's outline (:func:`~.job_wire.outline_job`) and its
+worker process reads, checks and tokenizes it once (:func:`run_in_worker`); a server without
+``--allow-code`` accepts only interventions registered on it, by name. The job's invokes run as
 one atomic group in the batcher (:mod:`.groups`): the same forward, never split across batches,
 sharing futures as locally; other requests may share the forward. Limits count the whole job: the
 body size (413), ``max_batch`` invokes (413), one time limit and one compute budget (504), the prompt
@@ -42,7 +44,7 @@ from ...client import wire
 from ...client.cache_wire import recorded_of
 from .errors import RequestFailed
 from ..scheduling.params import short_repr
-from .job_wire import JobParts, read_job
+from .job_wire import JobParts, outline_job, read_job
 from ...job import InvokeSpec
 from ..scheduling.submission import Envelope
 from .durable.hook import submit_kept
@@ -88,27 +90,15 @@ async def _jobs(server, request):
         if type(stream) is not bool:
             raise RequestFailed("request", "stream must be a bool")
         timeout = server.request_timeout(obj)
-        # a supervised server only checks the job here (its worker rebuilds it, private copies included)
-        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
-                            copies=not server.supervised) if server.allow_code else None
+        if server.supervised:   # the worker process that runs the job reads and checks it, once (run_in_worker)
+            return await _in_worker(server, request, fields, data, stream, timeout)
+        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
+            if server.allow_code else None
         # a small job is checked here (a source seen before is checked once per process: well under a
         # millisecond); a large one in a thread, so that the event loop (health checks, other requests) stays free
         job = await load_job_async(server, data, sandbox, timeout)
         checked = _checked(server, job)
         fields.update(kind=job.kind, invokes=len(checked.invokes), intervention="job")
-        if server.supervised:   # checked here; a worker process rebuilds it and runs it (run_in_worker)
-            code = _has_code(job)
-            inputs = _tokenized(job, checked)   # the prompts as tokenized here: the worker does not again
-            envelope = dict(timeout=timeout, inputs=inputs, owner=owners.owner(server, request))
-            if stream:
-                try:
-                    events = server.batcher.stream_job(data, code=code, **envelope)
-                except Exception as exc:  # noqa: BLE001
-                    raise errors.failure(exc) from None
-                fields["stream"] = True
-                return StreamingResponse(server.stream_events(events, _worker_event), media_type=MSGPACK_STREAM)
-            call = functools.partial(server.batcher.job, data, code=code, **envelope)
-            return await server.respond(request, fields, call, _worker_answer)
         meter = on_cancel = None
         if sandbox is not None:
             meter = sandbox.clock
@@ -131,9 +121,57 @@ async def _jobs(server, request):
     return await server.guarded(request, "job", work)
 
 
-def _has_code(job) -> bool:
-    """Whether the job has interventions of submitted code (captured functions), not only registered ones."""
-    return any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
+async def _in_worker(server, request, fields, data, stream, timeout) -> Response:
+    """A supervised server passes the job on as the client wrote it, having read only its outline (kind,
+    invokes, whether it carries code): the worker that runs it reads, checks and tokenizes it, once
+    (:func:`run_in_worker`), and a job it refuses is answered with that refusal's own status (400, 413...)."""
+    outline = outline_of(server, data)
+    fields.update(kind=outline.kind, invokes=outline.invokes, intervention="job")
+    envelope = dict(code=outline.code, timeout=timeout, owner=owners.owner(server, request))
+    if not stream:
+        return await server.respond(request, fields, functools.partial(server.batcher.job, data, **envelope),
+                                    _worker_answer)
+    try:
+        events = server.batcher.stream_job(data, **envelope)
+    except Exception as exc:  # noqa: BLE001 - BatcherFull and friends: the error table answers
+        raise errors.failure(exc) from None
+
+    def streamed(first):
+        fields["stream"] = True
+        return StreamingResponse(server.stream_events(_resumed(first, events), _worker_event),
+                                 media_type=MSGPACK_STREAM)
+    # the answer starts once the worker has accepted the job (its first event): a refusal is a plain error answer
+    try:
+        response = await server.respond(request, fields, events.__anext__, streamed)
+    except BaseException:
+        await events.aclose()
+        raise
+    if not isinstance(response, StreamingResponse):   # the client went away first
+        await events.aclose()
+    return response
+
+
+async def _resumed(first, events):
+    """The job's events, ``first`` (already read: the worker's acceptance, or an event) in front."""
+    try:
+        if first.get("event") != "accepted":
+            yield first
+        async for ev in events:
+            yield ev
+    finally:
+        await events.aclose()
+
+
+def outline_of(server, data):
+    """The job's :class:`~.job_wire.JobOutline` (nothing compiled), or the 400 of a body that is not a job. A job
+    with submitted code on a server that takes none is refused here, as :func:`_load` would."""
+    try:
+        outline = outline_job(data, server.limits)
+    except (wire.WireError, TypeError, ValueError, KeyError) as exc:
+        raise RequestFailed("request", f"this job cannot be read: {exc}") from None
+    if outline.code and not server.allow_code:
+        raise RequestFailed("refused", NO_CODE)
+    return outline
 
 
 def _worker_answer(results: bytes) -> Response:
@@ -142,6 +180,8 @@ def _worker_answer(results: bytes) -> Response:
 
 
 def _worker_event(ev) -> bytes:
+    if ev["event"] == "accepted":   # a job re-run after its worker died is accepted again: nothing to say
+        return b""
     if ev["event"] == "done":
         return wire.packb_with({"event": "done", "ok": True}, "results", _encoded(ev["result"]))
     return wire.packb(ev)
@@ -154,13 +194,15 @@ def _encoded(results) -> bytes:
 
 
 async def run_in_worker(worker, jid, msg, timeout) -> dict:
-    """In a worker process (:mod:`.worker_proc`): rebuild the job as the server did, run it on the worker's
-    batcher as one group, reply with the answer's results (events of a streaming job as they come)."""
+    """In a worker process (:mod:`.worker_proc`): read, check and tokenize the job (the server read only its
+    outline), run it on the worker's front as one submission, reply with the answer's results (a streaming
+    job: ``accepted`` once it is checked, then its events as they come)."""
     server = worker.server
+    runs_code = server.allow_code and worker.runs_code
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
-        if server.allow_code else None
-    job = _load(server, msg["job"], sandbox, timeout)
-    checked = _checked(server, job, msg.get("inputs"))
+        if runs_code else None
+    job = _load(server, msg["job"], sandbox, timeout, None if runs_code or not server.allow_code else MISROUTED)
+    checked = _checked(server, job)
     meter = sandbox.clock if sandbox is not None else Meter()
     worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
     on_cancel = None
@@ -171,6 +213,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     try:
         if msg.get("stream"):
             events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True))
+            worker.send_event(jid, {"event": "accepted"})   # read and checked: the server starts its answer
             try:
                 async for ev in events:
                     if ev["event"] == "done":
@@ -196,12 +239,19 @@ def _check_versions(obj) -> None:
         raise fail
 
 
-def _load(server, data, sandbox, timeout):
+NO_CODE = ("this server does not accept submitted code (start it with --allow-code); use interventions "
+           "registered on it (GET /v1/model), by name")
+MISROUTED = "a job with submitted code reached the worker process for registered interventions, which refused it"
+
+
+def _load(server, data, sandbox, timeout, refusal=None):
     """The job's parts with every intervention rebuilt (sandboxed) or bound (registered by name): its one
-    ``Job`` is made by the front, with the rest of its batch."""
+    ``Job`` is made by the front, with the rest of its batch. Without a sandbox, submitted code is refused
+    (``refusal``: an internal error's message instead of the 400 of a server that takes no code)."""
     def refuse_code(source, filename, namespace):
-        raise RequestFailed("refused", "this server does not accept submitted code (start it with --allow-code); "
-                                       "use interventions registered on it (GET /v1/model), by name")
+        if refusal is not None:
+            raise RequestFailed("internal", refusal)
+        raise RequestFailed("refused", NO_CODE)
 
     def named(spec):
         fn = server.bind_intervention({"name": spec.get("name"), "params": spec.get("params")}, timeout)[0]
@@ -232,19 +282,9 @@ async def load_job_async(server, data, sandbox, timeout):
     return await aio.to_thread(_load, server, data, sandbox, timeout)
 
 
-def _tokenized(job, checked) -> list:
-    """For a worker process: each invoke's prompts as this process tokenized them (``None``: its input as sent)."""
-    def text(value):
-        return isinstance(value, str) or isinstance(value, list) and any(isinstance(v, str) for v in value)
-    return [mine.input if text(spec.input) else None for spec, mine in zip(job.invokes, checked.invokes)]
-
-
-def _checked(server, job, tokenized=None) -> JobParts:
+def _checked(server, job) -> JobParts:
     """The job as the front takes it (:meth:`~asyncinterp.serve.scheduling.batcher.Batcher.start`): every invoke's
-    input checked (prompts tokenized), the job's options refused or kept (a generation's, with max_new_tokens).
-
-    ``tokenized``: the prompts as the server's main process checked and tokenized them (:func:`_tokenized`),
-    which a worker process takes instead of tokenizing them again."""
+    input checked (prompts tokenized), the job's options refused or kept (a generation's, with max_new_tokens)."""
     n = len(job.invokes)
     max_batch = server.batcher.max_batch
     if n == 0:
@@ -274,10 +314,6 @@ def _checked(server, job, tokenized=None) -> JobParts:
                                            "(they run in one forward)")
         if spec.input is None:
             x = None
-        elif tokenized is not None and i < len(tokenized) and tokenized[i] is not None:
-            x = tokenized[i]
-            rows = x if x and isinstance(x[0], list) else [x]
-            longest = max(longest, max(len(r) for r in rows))
         else:
             try:
                 x, length = _input(server, spec.input)
@@ -434,4 +470,3 @@ def _event(kind, ev) -> bytes:
 
 # what a job kept in the store runs through (serve/jobs/durable): the same loading, checks and answers
 load_job, checked_job, outcomes_of, check_versions = _load, _checked, _outcomes, _check_versions
-tokenized_of = _tokenized

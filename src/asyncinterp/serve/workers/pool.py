@@ -108,6 +108,11 @@ class Pool:
         self.restart_began = None
         self.restart_times = collections.deque(maxlen=50)
 
+    def runs_code(self) -> bool:
+        """Whether this pool's worker runs submitted code: the ``code`` pool's, or the one pool's when submitted
+        code has no worker of its own. Another worker refuses submitted code it is sent (a routing error)."""
+        return self.name == "code" or "code" not in self.sup.pools
+
     # ------------------------------------------------------------------ from the event loops
     def submit(self, job: Submission) -> None:
         with self.cond:
@@ -267,11 +272,11 @@ class Pool:
             w.batch_started = w.batch_deadline = None
         elif t == "event":
             ev = msg.get("event")
-            if not (isinstance(ev, dict) and ev.get("event") in ("token", "emit", "restart", "error")):
+            if not (isinstance(ev, dict) and ev.get("event") in ("token", "emit", "restart", "error", "accepted")):
                 return False
             j = w.jobs.get(jid)
             if j is not None and j.state in ("sent", "running"):
-                j.forwarded += 1
+                j.forwarded += ev.get("event") != "accepted"   # (what a re-run repeats: not its acceptance)
                 j.mailbox.put(("event", True, ev))
         elif t == "done":
             j = w.jobs.pop(jid, None)
@@ -409,7 +414,8 @@ class Pool:
         heartbeat = Heartbeat()
         settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
                     "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
-                    "confine": confine.wanted_for(self), **worker_start.process_settings()}
+                    "confine": confine.wanted_for(self), "runs_code": self.runs_code(),
+                    **worker_start.process_settings()}
         proc = ctx.Process(target=worker_proc.run, args=(child_end, heartbeat, packed, settings),
                            name=f"asyncinterp-worker-{self.name}", daemon=True)
         born = time.monotonic()

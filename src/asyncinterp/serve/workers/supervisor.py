@@ -307,19 +307,19 @@ class Supervisor(aio.Closable):
                            envelope=Envelope(owner, None, timeout, receipt))
         return SupervisedStream(job)
 
-    async def job(self, data: bytes, *, code: bool, timeout: float | None = None, inputs=None, owner=None):
-        """A remote job (``POST /v1/jobs``, already checked by the server): a worker rebuilds and runs it whole;
-        returns its answer's ``results`` (one entry per invoke, see :mod:`.jobs_api`) as the msgpack bytes the
-        worker encoded (passed on to the client as they are, never decoded and encoded again). ``code``: it has
-        captured functions (the code pool runs it); ``inputs``: its prompts as the server tokenized them."""
-        return await self._wait(self._submit_job(data, code, timeout, False, inputs, owner))
+    async def job(self, data: bytes, *, code: bool, timeout: float | None = None, owner=None):
+        """A remote job (``POST /v1/jobs``) as the client wrote it: the worker reads, checks and runs it whole
+        (:func:`~..jobs.jobs_api.run_in_worker`); returns its answer's ``results`` (one entry per invoke) as the
+        msgpack bytes the worker encoded (passed on to the client as they are, never decoded and encoded again).
+        ``code``: it carries captured functions (the code pool runs it, see :func:`~..jobs.job_wire.outline_job`)."""
+        return await self._wait(self._submit_job(data, code, timeout, False, owner))
 
-    def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None,
-                   inputs=None, owner=None) -> "SupervisedStream":
-        """:meth:`job` as a stream of its invokes' events, then ``done`` with the results."""
-        return SupervisedStream(self._submit_job(data, code, timeout, True, inputs, owner))
+    def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None, owner=None) -> "SupervisedStream":
+        """:meth:`job` as a stream: ``accepted`` once the worker has read and checked it, its invokes' events,
+        then ``done`` with the results."""
+        return SupervisedStream(self._submit_job(data, code, timeout, True, owner))
 
-    def _submit_job(self, data, code, timeout, stream, inputs=None, owner=None) -> Submission:
+    def _submit_job(self, data, code, timeout, stream, owner=None) -> Submission:
         if self.closed:
             raise BatcherClosed("the server is shutting down")
         if self.loop is None:
@@ -327,7 +327,7 @@ class Supervisor(aio.Closable):
         timeout = float(self.server.timeout if timeout is None else timeout)
         pool = self.pools["code" if code and "code" in self.pools else "trusted"]
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
-        sub = Submission.for_worker("job", {"job": data, "stream": stream, "inputs": inputs}, timeout=timeout,
+        sub = Submission.for_worker("job", {"job": data, "stream": stream}, timeout=timeout,
                                     code_budget=min(self.server.code_budget, timeout) if code else 0.0, guard=guard,
                                     stream=stream, envelope=Envelope(owner, None, timeout))
         arrived()   # before it is sent: in the worker it is on its way until submitted there (Worker._arriving)

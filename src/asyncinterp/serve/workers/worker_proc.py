@@ -230,6 +230,7 @@ class Worker:
         self.channel = channel
         self.server = server
         self.settings = settings
+        self.runs_code = settings.get("runs_code", True)   # see Pool.runs_code
         self.tags = {}      # Meter -> request id: the batcher's requests carry the meter given to them
         self.scopes = {}    # request id -> its cancel scope
         self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,

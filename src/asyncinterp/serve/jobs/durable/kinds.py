@@ -56,17 +56,19 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     progress({"phase": "loading"})
     obj = server.decode_body(body)
     data = obj["job"]
-    sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model,
-                        copies=not server.supervised) if server.allow_code else None
-    job = await jobs_api.load_job_async(server, data, sandbox, timeout)
-    checked = jobs_api.checked_job(server, job)
-    total = checked.generation.get("max_new_tokens")
-    if server.supervised:
-        code = any(getattr(fn, "sandboxed", False) for spec in job.invokes for fn in spec.fns)
-        events = server.batcher.stream_job(data, code=code, timeout=timeout,
-                                           inputs=jobs_api.tokenized_of(job, checked))   # tokenized once, here
+    if server.supervised:   # the worker that runs it reads and checks it (jobs_api.run_in_worker)
+        outline = jobs_api.outline_of(server, data)
+        kind, invokes = outline.kind, outline.invokes
+        total = outline.generation.get("max_new_tokens", 20) if kind == "generate" else None
+        events = server.batcher.stream_job(data, code=outline.code, timeout=timeout)
         encode = None
     else:
+        sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
+            if server.allow_code else None
+        job = await jobs_api.load_job_async(server, data, sandbox, timeout)
+        checked = jobs_api.checked_job(server, job)
+        kind, invokes = job.kind, len(checked.invokes)
+        total = checked.generation.get("max_new_tokens")
         meter, on_cancel = Meter(), None
         if sandbox is not None:
             meter = sandbox.clock
@@ -75,9 +77,9 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
                 sandbox.clock.cancelled = True
         sub = server.batcher.start(checked, Envelope(None, meter, timeout, None, on_cancel), stream=True)
         events = server.batcher.events(sub)
-        encode = job.kind
+        encode = kind
     steps = {}
-    progress({"phase": "forward", "invokes": len(checked.invokes)})
+    progress({"phase": "forward", "invokes": invokes})
     try:
         async for ev in events:
             if ev["event"] == "done":
@@ -89,7 +91,7 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
             if ev["event"] == "token":
                 steps[ev.get("invoke", 0)] = ev.get("step", 0) + 1
                 progress({"phase": "generating", "step": min(steps.values()), "of": total,
-                          "invokes": len(checked.invokes)})
+                          "invokes": invokes})
     finally:
         await events.aclose()
     raise RequestFailed("internal", "the job's stream ended without its answer")
