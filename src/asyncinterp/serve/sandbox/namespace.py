@@ -238,7 +238,14 @@ _REPLACEMENTS = {"range": _safe_range, "print": _no_print, "repr": _safe_repr, "
 
 
 def safe_builtins() -> dict:
-    """The builtins of submitted code: the policy's list as they are, and its replaced ones."""
-    out = {n: getattr(builtins, n) for n in sorted(policy.BUILTINS) if hasattr(builtins, n)}
-    out.update({n: _REPLACEMENTS[n] for n in policy.REPLACED_BUILTINS})
-    return out
+    """The builtins of submitted code: the policy's list as they are, and its replaced ones (a fresh map each
+    time: one namespace never sees another's)."""
+    global _SAFE_BUILTINS
+    if _SAFE_BUILTINS is None:
+        out = {n: getattr(builtins, n) for n in sorted(policy.BUILTINS) if hasattr(builtins, n)}
+        out.update({n: _REPLACEMENTS[n] for n in policy.REPLACED_BUILTINS})
+        _SAFE_BUILTINS = out
+    return dict(_SAFE_BUILTINS)
+
+
+_SAFE_BUILTINS = None

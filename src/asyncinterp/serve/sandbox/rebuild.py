@@ -38,7 +38,9 @@ from ...hooks.modules import submodules
 from ...kernel.futures import Future
 from ...client.capture import FORMAT, MAX_VALUE_DEPTH, version
 from .checker import AST_LOCK, check_source
+from ...client import policy
 from ...client.policy import ALLOWED_MODULES
+from ...lru import LRU
 from .source_lines import job_filename, job_token, remember
 from ...client.wire import DescriptionRefused, WireError  # noqa: F401 - DescriptionRefused: a wire error (its home)
 
@@ -221,6 +223,8 @@ def _map(obj, key) -> dict:
 def _function_source(source, name, client_python) -> str:
     if not isinstance(source, str):
         raise DescriptionRefused(f"function {name}: its source is not text")
+    if _PLAIN_DEFS.get((source, name)):   # checked before (a sweep sends the same function again and again)
+        return source
     try:
         with AST_LOCK:
             tree = ast.parse(source)
@@ -235,7 +239,12 @@ def _function_source(source, name, client_python) -> str:
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != name or node.decorator_list:
         raise DescriptionRefused(f"function {name}: its source is not one plain `def {name}` or "
                                  f"`async def {name}` statement")
+    _PLAIN_DEFS.put((source, name), True)
     return source
+
+
+# sources (with their function's name) found to be one plain def: what a refused one is, is found again
+_PLAIN_DEFS = LRU(policy.PROGRAM_CACHE_SIZE, max_weight=16 << 20, weigh=lambda key, _: len(key[0]))
 
 
 def _placed(source: str, imports: str, line: int) -> str:

@@ -22,12 +22,15 @@ import linecache
 import secrets
 import threading
 
+from ...lru import LRU
+
 __all__ = ["MAX_CHARS", "MAX_ENTRIES", "job_filename", "job_token", "remember"]
 
 MAX_ENTRIES = 2048
 MAX_CHARS = 8 * 2**20
 
 _kept = collections.OrderedDict()   # file name -> characters kept
+_LINES = LRU(256, max_weight=MAX_CHARS, weigh=lambda text, _: len(text))   # text -> its lines (read only)
 _total = 0
 _lock = threading.Lock()
 
@@ -74,7 +77,9 @@ class _SparseLines(list):
 def remember(filename: str, text: str) -> None:
     """Make ``text`` the source of ``filename`` for tracebacks, within the bounds (see the module docs)."""
     global _total
-    lines = _SparseLines(text)
+    lines = _LINES.get(text)
+    if lines is None:     # (the same text sent again, under another job's name: its lines are made once)
+        lines = _LINES.put(text, _SparseLines(text))
     with _lock:
         old = _kept.pop(filename, None)
         if old is not None:
