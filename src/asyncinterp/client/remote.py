@@ -29,6 +29,7 @@ emitted values (``ai.serve.emit``) as they are produced.
 from __future__ import annotations
 
 import builtins
+import http.client
 import queue
 import threading
 
@@ -40,7 +41,7 @@ from ..invoke import Invoke
 from ..job import Trace
 from ..kernel import errors as kernel_errors
 from ..kernel.errors import RunCancelled
-from . import wire
+from . import job_post, wire
 from .cache_wire import fill_cache
 from .clients import _decode_response, session_body
 from .job_form import Named, dumps_job
@@ -81,6 +82,9 @@ class RemoteModel:
         self.check_modules = check_modules
         self.versions = versions()    # what this client sends (and compares with the server's)
         self.http = httpx.Client(timeout=httpx.Timeout(self.timeout + 10.0, connect=10.0), **httpx_kwargs)
+        # jobs go over lean keep-alive connections where that behaves as httpx would (plain http, no proxy)
+        self.poster = job_post.JobPoster(self.url, self.timeout + 10.0) \
+            if job_post.usable(self.url, httpx_kwargs) else None
         self._info = None
         self._tree = None
         self._lock = threading.Lock()
@@ -351,8 +355,17 @@ class RemoteModel:
         raise NotImplementedError("persistent edits (model.edit) do not run on a remote model: pass the edit as "
                                   "an intervention of the invokes it should change")
 
+    def post_streamed(self, path: str, body: bytes):
+        """POST ``body`` and read the answer as it streams (``with model.post_streamed(...) as r``): through
+        :mod:`.job_post` where it behaves as httpx would, else through httpx."""
+        if self.poster is not None:
+            return self.poster.post(path, body, self.headers)
+        return self.http.stream("POST", f"{self.url}{path}", content=body, headers=self.headers)
+
     def close(self) -> None:
         self.http.close()
+        if self.poster is not None:
+            self.poster.close()
 
     def __enter__(self):
         return self
@@ -404,7 +417,7 @@ class RemoteExecution:
         model.info()   # the version check, once
         results = None
         try:
-            with model.http.stream("POST", f"{model.url}/v1/jobs", content=body, headers=model.headers) as r:
+            with model.post_streamed("/v1/jobs", body) as r:
                 self._response = r
                 if self.cancelled:
                     raise RunCancelled("the remote job was cancelled")
@@ -426,10 +439,11 @@ class RemoteExecution:
                             results = obj.get("results")
                         elif on_event is not None:
                             on_event(obj)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OSError, http.client.HTTPException) as exc:
             if self.cancelled:
                 raise RunCancelled("the remote job was cancelled") from None
-            raise RemoteError("ConnectionError", f"the request to {model.url} failed: {exc}") from None
+            raise RemoteError("ConnectionError", f"the request to {model.url} failed: "
+                                                 f"{exc or type(exc).__name__}") from None
         finally:
             self._response = None
         if self.cancelled:

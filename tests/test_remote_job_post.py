@@ -1,0 +1,127 @@
+"""The lean path for posting jobs (``client/job_post.py``): taken only where it behaves as httpx would, and then
+it answers as httpx does, replaces connections the server closed while they sat idle, is cancelled from
+another thread, and keeps one connection per thread. Against a real server (uvicorn) on loopback."""
+
+import re
+import threading
+import time
+
+import anyio
+import pytest
+import torch
+
+import asyncinterp as ai
+from asyncinterp.client import job_post
+from asyncinterp.serve import Server
+from remote_helpers import Live
+from serve_helpers import model, one_thread  # noqa: F401 - fixtures are found by name
+
+PROMPT = "The Eiffel Tower is in the city of"
+
+
+async def last(m):
+    return (await m.lm_head.output)[:, -1].clone()
+
+
+async def fails(m):
+    await m.transformer.h[0].output
+    raise ValueError("fails on purpose")
+
+
+async def slow(m):
+    await m.transformer.h[0].output
+    time.sleep(3.0)      # (a registered intervention: trusted code may block)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def live(model):
+    server = Server(model, allow_code=True, isolation="thread", timeout=60)
+    server.intervention("slow")(slow)
+    srv = Live(server)
+    yield srv
+    srv.close()
+
+
+def test_plain_http_takes_the_lean_path_and_answers_as_httpx_does(live, model):
+    lean, plain = ai.remote(live.url), ai.remote(live.url, headers={"x-through": "httpx"})
+    try:
+        assert lean.poster is not None and plain.poster is None     # httpx options: httpx carries the jobs
+        expected = model.trace(PROMPT, last)
+        assert torch.equal(lean.trace(PROMPT, last), plain.trace(PROMPT, last))
+        assert torch.allclose(lean.trace(PROMPT, last), expected, atol=1e-5)
+        errors = []
+        for remote in (lean, plain):            # a failure on the server reads the same either way
+            with pytest.raises(ValueError, match="fails on purpose") as caught:
+                remote.trace(PROMPT, fails)
+            errors.append(re.sub(r"#[0-9a-f]{16}", "#job", str(caught.value)))   # (each job's own file name)
+        assert errors[0] == errors[1]
+    finally:
+        lean.close()
+        plain.close()
+
+
+def test_only_plain_http_without_a_proxy_takes_the_lean_path(monkeypatch):
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert job_post.usable("http://127.0.0.1:8000", {})
+    assert not job_post.usable("https://example.org", {})
+    assert not job_post.usable("http://127.0.0.1:8000", {"verify": False})
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    assert not job_post.usable("http://10.1.2.3:8000", {})          # httpx would go through the proxy
+    monkeypatch.setenv("NO_PROXY", "10.1.2.3")
+    assert job_post.usable("http://10.1.2.3:8000", {})
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced(live, model, monkeypatch):
+    expected = model.trace(PROMPT, last)
+    checked, unchecked = ai.remote(live.url), ai.remote(live.url)
+    try:
+        for remote in (checked, unchecked):
+            remote.trace(PROMPT, last)
+        first = (checked.poster.local.conn, unchecked.poster.local.conn)
+        time.sleep(5.5)             # past uvicorn's keep-alive timeout (5 s): it closes both connections
+        assert torch.allclose(checked.trace(PROMPT, last), expected, atol=1e-5)     # noticed before reuse
+        monkeypatch.setattr(job_post, "_idle_and_open", lambda sock: True)       # not noticed: sent, refused
+        assert torch.allclose(unchecked.trace(PROMPT, last), expected, atol=1e-5)  # ... and sent again
+        assert checked.poster.local.conn is not first[0] and unchecked.poster.local.conn is not first[1]
+    finally:
+        checked.close()
+        unchecked.close()
+
+
+def test_each_thread_has_its_own_connection(live, model):
+    expected = model.trace(PROMPT, last)
+    remote = ai.remote(live.url)
+    results, conns = [], []
+
+    def work():
+        for _ in range(3):
+            results.append(torch.allclose(remote.trace(PROMPT, last), expected, atol=1e-5))
+        conns.append(remote.poster.local.conn)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [True] * 12 and len({id(c) for c in conns}) == 4
+    finally:
+        remote.close()
+    assert not remote.poster.open       # closing the model closes every thread's connection
+
+
+def test_cancelling_a_lean_request_ends_it_at_once_and_the_model_goes_on(live, model):
+    remote = ai.remote(live.url)
+
+    async def cancelled():
+        with anyio.move_on_after(0.5) as scope:
+            await remote.atrace(PROMPT, remote.registered("slow"))
+        return scope.cancelled_caught
+    try:
+        t0 = time.monotonic()
+        assert anyio.run(cancelled)
+        assert time.monotonic() - t0 < 2.0      # not the 3 s the intervention takes
+        assert torch.allclose(remote.trace(PROMPT, last), model.trace(PROMPT, last), atol=1e-5)
+    finally:
+        remote.close()
