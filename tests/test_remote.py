@@ -180,6 +180,18 @@ def test_a_wrong_module_name_gets_did_you_mean_on_the_client(lm, live):
     assert live.server.batcher.stats["requests"] == before   # nothing was sent
 
 
+def test_an_index_from_a_closure_is_checked_with_its_value_at_each_call(lm, live):
+    def reader(layer):
+        async def read(m):
+            return (await m.transformer.h[layer].output)[:, -1].clone()
+        return read
+
+    assert lm.trace(PROMPT, reader(1)).shape[-1] > 0      # the same code object: its chains read once ...
+    with pytest.raises(ModulePathError, match="index 9 is out of range"):
+        lm.trace(PROMPT, reader(9))                         # ... the index it reads, every time
+    assert lm.trace(PROMPT, reader(-1)).shape[-1] > 0
+
+
 def test_a_version_mismatch_is_a_clear_error_naming_both(live):
     old = ai.remote(live.url, api_key=KEY)
     old.versions = {**versions(), "asyncinterp": "0.0.1"}

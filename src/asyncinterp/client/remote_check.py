@@ -25,6 +25,7 @@ from ..hooks.aliases import STANDARD
 from ..hooks.envoy import SEMANTIC_NAMES, Envoy, point
 from ..hooks.tl_names import NAMES as TL_NAMES
 from ..kernel.errors import ModulePathError
+from ..lru import LRU
 from . import policy
 from .sources import parsed_source
 
@@ -90,20 +91,37 @@ def check_names(fn, tree: ModuleTree) -> None:
     code = getattr(fn, "__code__", None)
     if code is None or code.co_argcount < 1:
         return
-    try:
-        _, tree_ = parsed_source(fn)
-    except (OSError, TypeError, SyntaxError):
-        return   # capture reports what it cannot read
+    chains = _CHAINS.get(code)
+    if chains is None:     # read once per code object; only the values of named indices are read each time
+        try:
+            chains = _CHAINS.put(code, _chains(fn))
+        except (OSError, TypeError, SyntaxError):
+            return   # capture reports what it cannot read
+    values = _constants(fn) if any(kind == "var" for steps, _ in chains for kind, _ in steps) else {}
+    first = code.co_firstlineno
+    for steps, line in chains:
+        tree.walk([("index", values.get(v)) if kind == "var" else (kind, v) for kind, v in steps],
+                  fn.__qualname__, first + line - 1)
+
+
+def _chains(fn) -> tuple:
+    """The chains of attributes and indices ``fn``'s source takes from its first parameter, with their lines:
+    steps ``("attr", name)``, ``("index", int or None)`` or ``("var", name)`` (an index read from a global or a
+    closure cell, resolved when checked)."""
+    _, tree_ = parsed_source(fn)
     node = tree_.body[0] if tree_.body else None
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.args.args:
-        return
+        return ()
     model = node.args.args[0].arg
-    values = _constants(fn)
-    first = code.co_firstlineno
+    out = []
     for sub in ast.walk(node):
-        steps = _chain(sub, model, values)
+        steps = _chain(sub, model)
         if steps:
-            tree.walk(steps, fn.__qualname__, first + getattr(sub, "lineno", 1) - 1)
+            out.append((tuple(steps), getattr(sub, "lineno", 1)))
+    return tuple(out)
+
+
+_CHAINS = LRU(256)    # code object -> its chains (_chains)
 
 
 def _constants(fn) -> dict:
@@ -122,7 +140,7 @@ def _constants(fn) -> dict:
     return out
 
 
-def _chain(node, model, values):
+def _chain(node, model):
     """The steps of a maximal attribute/subscript chain rooted at the name ``model``, or ``None``."""
     steps = []
     while True:
@@ -130,7 +148,7 @@ def _chain(node, model, values):
             steps.append(("attr", node.attr))
             node = node.value
         elif isinstance(node, ast.Subscript):
-            steps.append(("index", _index(node.slice, values)))
+            steps.append(_index(node.slice))
             node = node.value
         else:
             break
@@ -139,12 +157,12 @@ def _chain(node, model, values):
     return steps[::-1]
 
 
-def _index(node, values):
+def _index(node):
     if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
+        return "index", node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
             and type(node.operand.value) is int:
-        return -node.operand.value
-    if isinstance(node, ast.Name) and node.id in values:
-        return values[node.id]
-    return None
+        return "index", -node.operand.value
+    if isinstance(node, ast.Name):
+        return "var", node.id
+    return "index", None

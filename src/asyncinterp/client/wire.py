@@ -152,7 +152,7 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
     if not isinstance(data, bytes):
         raise WireError("tensor data must be bytes")
     dtype = DTYPES[name]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(data) != numel * itemsize:
         raise WireError(f"tensor of dtype {name} and shape {shape} needs {numel * itemsize} bytes, got {len(data)}")
     if numel == 0:
