@@ -210,9 +210,20 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
         def on_cancel():
             sandbox.clock.cancelled = True
     envelope = Envelope(None, meter, timeout, None, on_cancel)
+    replied = []
+
+    def reply_now(ok, outcomes):   # in the front's thread, as the answer arrives: no hop back to the event loop
+        if ok:
+            try:
+                worker.reply_done(jid, _encoded_outcomes(job.kind, outcomes))
+                replied.append(True)
+            except Exception:  # noqa: BLE001 - the event loop answers it as usual (and reports what failed)
+                pass
     try:
         if msg.get("stream"):
-            events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True))
+            sub = worker.batcher.start(checked, envelope, stream=True)
+            sub.on_answer = reply_now
+            events = worker.batcher.events(sub)
             worker.send_event(jid, {"event": "accepted"})   # read and checked: the server starts its answer
             try:
                 async for ev in events:
@@ -223,9 +234,13 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
             finally:
                 await events.aclose()
         else:
-            outcomes = await worker.batcher.answer(worker.batcher.start(checked, envelope))
+            sub = worker.batcher.start(checked, envelope)
+            sub.on_answer = reply_now
+            outcomes = await worker.batcher.answer(sub)
     finally:
         worker.tags.pop(meter, None)
+    if replied:
+        return worker.REPLIED
     # the results encoded once, here: the server passes these bytes on to the client as they are
     return {"t": "done", "id": jid, "ok": True, "value": _encoded_outcomes(job.kind, outcomes)}
 

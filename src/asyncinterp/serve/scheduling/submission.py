@@ -79,6 +79,7 @@ class Submission:
 
     __slots__ = ("id", "kind", "invokes", "on_error", "gen", "max_new_tokens", "key", "single", "stream",
                  "envelope", "meter", "arrival", "state", "lock", "mailbox", "finished", "stopping", "outcomes",
+                 "on_answer", "events",
                  # where a worker pool runs it (asyncinterp.serve.workers.pool)
                  "fields", "wire", "timeout", "code_budget", "guard", "worker", "suspect", "forwarded", "pool")
 
@@ -102,6 +103,8 @@ class Submission:
         self.stopping = False
         self.invokes = [ServedInvoke(self, i, *spec) for i, spec in enumerate(invokes)]
         self.outcomes = [None] * len(self.invokes)
+        self.on_answer = None          # see answer()
+        self.events = 0                # streamed events put in its mailbox
         self.fields = self.wire = self.worker = self.pool = None
         self.timeout = self.code_budget = 0.0   # seconds: its time limit, its code's compute budget
         self.guard = None
@@ -165,7 +168,11 @@ class Submission:
                 self.answer(True, list(self.outcomes))
 
     def answer(self, ok: bool, value) -> None:
-        """The whole submission's answer (or failure), once; nothing if it was cancelled."""
+        """The whole submission's answer (or failure), once; nothing if it was cancelled.
+
+        ``on_answer(ok, value)``, if set and no event was streamed before it (nothing it could overtake), runs
+        first, in the answering thread: a worker process replies from there without a hop back to its event
+        loop. The answer reaches the mailbox either way."""
         with self.lock:
             if self.finished:
                 return
@@ -173,11 +180,14 @@ class Submission:
             if self.state == "cancelled":
                 return
             self.state = "done"
+        if self.on_answer is not None and not self.events:
+            self.on_answer(ok, value)
         self.mailbox.put(("done", ok, value))
 
     def event(self, item) -> None:
         """A streamed event (a token, an emitted value, a restart) for the waiting client."""
         if self.state != "cancelled":
+            self.events += 1
             self.mailbox.put(("event", True, item))
 
     # loop side ---------------------------------------------------------------

@@ -306,6 +306,8 @@ class Worker:
                 self.tags.pop(meter, None)
                 if alone:
                     self.batcher.max_wait = self.max_wait
+        if reply is self.REPLIED:   # answered already, from the thread that ran it (jobs_api.run_in_worker)
+            return
         if reply is None:   # cancelled by the server
             reply = {"t": "done", "id": jid, "ok": False, "cancelled": True,
                      "status": errors.status_of("client_disconnect"),
@@ -368,6 +370,12 @@ class Worker:
         self.channel.send_bytes(data)
 
     send_event = _event   # (for jobs_api.run_in_worker)
+
+    REPLIED = {"t": "replied"}   # what a job's call returns when its answer was sent already
+
+    def reply_done(self, jid, results: bytes) -> None:
+        """A job's answer, its results encoded (any thread: the channel keeps messages whole)."""
+        self._reply({"t": "done", "id": jid, "ok": True, "value": results})
 
     def _reply(self, reply) -> None:
         try:
