@@ -63,7 +63,7 @@ class JobPoster:
             conn.request("POST", self.prefix + path, body=body, headers=headers)
             response = conn.getresponse()
         except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
-            self._drop(conn)
+            self.drop(conn)
             if not reused:
                 raise
             conn, _ = self._connection()    # the idle connection was closed under us: the server never read it
@@ -71,10 +71,10 @@ class JobPoster:
                 conn.request("POST", self.prefix + path, body=body, headers=headers)
                 response = conn.getresponse()
             except BaseException:
-                self._drop(conn)
+                self.drop(conn)
                 raise
         except BaseException:
-            self._drop(conn)
+            self.drop(conn)
             raise
         return LeanResponse(self, conn, response)
 
@@ -90,7 +90,7 @@ class JobPoster:
         if conn is not None and conn.sock is not None and _idle_and_open(conn.sock):
             return conn, True
         if conn is not None:
-            self._drop(conn)
+            self.drop(conn)
         conn = http.client.HTTPConnection(self.host, self.port, timeout=CONNECT_TIMEOUT)
         conn.connect()
         conn.sock.settimeout(self.read_timeout)
@@ -102,7 +102,8 @@ class JobPoster:
         self.local.conn = conn
         return conn, False
 
-    def _drop(self, conn) -> None:
+    def drop(self, conn) -> None:
+        """Close ``conn`` and forget it (its thread opens a new one next time)."""
         conn.close()
         with self.lock:
             self.open.discard(conn)
@@ -154,7 +155,7 @@ class LeanResponse:
                 sock.shutdown(socket.SHUT_RDWR)    # wakes a read waiting in another thread
             except OSError:
                 pass
-        self.poster._drop(self.conn)
+        self.poster.drop(self.conn)
 
     def _done(self) -> None:
         if self.response.isclosed() and not self.response.will_close:

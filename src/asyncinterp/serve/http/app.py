@@ -68,6 +68,7 @@ from ..scheduling.engine_front import front_for
 from ..scheduling.params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401
 from ..workers import confine
 from . import capabilities
+from ..jobs.event_stream import INTERVENTION_ERRORS, EventStreamResponse, stream_events
 from .metrics import ServerMetrics
 from .reach import JsonFormatter, is_loopback  # noqa: F401 (their home was here)
 
@@ -475,7 +476,7 @@ class Server:
                     return
 
         # an intervention may raise even SystemExit etc.: caught, it comes back in .exc
-        return await aio.run_watched(fn, disconnected, catch=_INTERVENTION_ERRORS)
+        return await aio.run_watched(fn, disconnected, catch=INTERVENTION_ERRORS)
 
     async def _respond(self, request, fields, call, answer) -> Response:
         """Await ``call()`` unless the client disconnects (499); ``answer(value)`` as the response (a map is
@@ -569,8 +570,8 @@ class Server:
                 except BatcherFull as exc:
                     raise errors.failure(exc) from None
                 fields["stream"] = True
-                return StreamingResponse(self._stream(events, functools.partial(_msgpack_event, receipt=receipt)),
-                                         media_type=MSGPACK_STREAM)
+                return EventStreamResponse(self._stream(events, functools.partial(_msgpack_event, receipt=receipt),
+                                                        mark_final=True), media_type=MSGPACK_STREAM)
             call = functools.partial(self.batcher.generate, x, *fns, max_new_tokens=n, **envelope)
 
             def answer(g):
@@ -579,27 +580,10 @@ class Server:
             return await self._respond(request, fields, call, answer)
         return await self._guarded(request, "generate", work)
 
-    async def _stream(self, events, encode=None, encode_error=None, end_on_error=False):
-        """The body of a streaming answer: ``encode(event)`` for each batcher event, ``encode_error(fail)`` for
-        a failure (the request's, or an event that cannot be encoded: the stream goes on after that unless
-        ``end_on_error``, which cancels the request); msgpack maps unless given."""
-        encode = encode or _msgpack_event
-        encode_error = encode_error or _msgpack_stream_error
-        try:
-            async for ev in events:
-                try:
-                    chunk = encode(ev)
-                except wire.WireError as exc:
-                    yield encode_error(errors.failure(exc))
-                    if end_on_error:
-                        return
-                    continue
-                if chunk:
-                    yield chunk
-        except _INTERVENTION_ERRORS as exc:
-            yield encode_error(errors.failure(exc))
-        finally:
-            await events.aclose()
+    def _stream(self, events, encode=None, encode_error=None, end_on_error=False, mark_final=False):
+        """The body of a streaming answer (:func:`~..jobs.event_stream.stream_events`); msgpack maps unless given."""
+        return stream_events(events, encode or _msgpack_event, encode_error or _msgpack_stream_error,
+                             end_on_error, mark_final)
 
     # ------------------------------------------------------------------ OpenAI-compatible endpoints
     async def _completions(self, request):
@@ -774,11 +758,6 @@ def _msgpack_event(ev, receipt=None) -> bytes:
 
 def _msgpack_stream_error(fail: RequestFailed) -> bytes:
     return wire.packb({"event": "error", "ok": False, "status": fail.status, "error": fail.error})
-
-
-# what a request may fail with (an intervention may raise even SystemExit/KeyboardInterrupt: it must not
-# take the server down); cancellation and GeneratorExit are not in this list and propagate
-_INTERVENTION_ERRORS = (Exception, SandboxTimeout, SystemExit, KeyboardInterrupt)
 
 
 def _takes_on_shutdown():

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ... import aio
@@ -47,6 +47,7 @@ from ..scheduling.params import short_repr
 from .job_wire import JobParts, outline_job, read_job
 from ...job import InvokeSpec
 from ..scheduling.submission import Envelope
+from .event_stream import EventStreamResponse
 from .durable.hook import submit_kept
 from ...client.protocol import incompatible, versions
 from ..scheduling.requests import Meter
@@ -113,7 +114,7 @@ async def _jobs(server, request):
                 raise errors.failure(exc) from None
             fields["stream"] = True
             encode = functools.partial(_event, job.kind)
-            return StreamingResponse(server.stream_events(events, encode), media_type=MSGPACK_STREAM)
+            return EventStreamResponse(server.stream_events(events, encode, mark_final=True), media_type=MSGPACK_STREAM)
 
         async def call():
             return await server.batcher.answer(server.batcher.start(checked, envelope))
@@ -138,15 +139,15 @@ async def _in_worker(server, request, fields, data, stream, timeout) -> Response
 
     def streamed(first):
         fields["stream"] = True
-        return StreamingResponse(server.stream_events(_resumed(first, events), _worker_event),
-                                 media_type=MSGPACK_STREAM)
+        return EventStreamResponse(server.stream_events(_resumed(first, events), _worker_event, mark_final=True),
+                                   media_type=MSGPACK_STREAM)
     # the answer starts once the worker has accepted the job (its first event): a refusal is a plain error answer
     try:
         response = await server.respond(request, fields, events.__anext__, streamed)
     except BaseException:
         await events.aclose()
         raise
-    if not isinstance(response, StreamingResponse):   # the client went away first
+    if not isinstance(response, EventStreamResponse):   # the client went away first
         await events.aclose()
     return response
 
