@@ -125,3 +125,17 @@ def test_cancelling_a_lean_request_ends_it_at_once_and_the_model_goes_on(live, m
         assert torch.allclose(remote.trace(PROMPT, last), model.trace(PROMPT, last), atol=1e-5)
     finally:
         remote.close()
+
+
+def test_the_end_of_an_answer_is_read_when_the_connection_is_next_used(live, model):
+    expected = model.trace(PROMPT, last)
+    remote = ai.remote(live.url)
+    try:
+        assert torch.allclose(remote.trace(PROMPT, last), expected, atol=1e-5)
+        conn = remote.poster.local.conn
+        assert remote.poster.local.left is not None      # the answer's last bytes: read with the next request
+        for _ in range(3):
+            assert torch.allclose(remote.trace(PROMPT, last), expected, atol=1e-5)
+        assert remote.poster.local.conn is conn           # drained and reused, never reopened
+    finally:
+        remote.close()

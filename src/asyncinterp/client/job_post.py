@@ -24,6 +24,7 @@ import urllib.request
 __all__ = ["JobPoster", "LeanResponse", "usable"]
 
 CONNECT_TIMEOUT = 10.0
+DRAIN_TIMEOUT = 1.0          # seconds the end of a left answer may still take
 READ_SIZE = 1 << 20
 
 
@@ -60,7 +61,7 @@ class JobPoster:
         conn, reused = self._connection()
         headers = {**headers, "content-length": str(len(body))}
         try:
-            conn.request("POST", self.prefix + path, body=body, headers=headers)
+            _send(conn, self.prefix + path, body, headers)
             response = conn.getresponse()
         except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
             self.drop(conn)
@@ -68,7 +69,7 @@ class JobPoster:
                 raise
             conn, _ = self._connection()    # the idle connection was closed under us: the server never read it
             try:
-                conn.request("POST", self.prefix + path, body=body, headers=headers)
+                _send(conn, self.prefix + path, body, headers)
                 response = conn.getresponse()
             except BaseException:
                 self.drop(conn)
@@ -87,6 +88,11 @@ class JobPoster:
 
     def _connection(self):
         conn = getattr(self.local, "conn", None)
+        left = getattr(self.local, "left", None)
+        if left is not None:            # the end of the previous answer, read now (see LeanResponse.leave)
+            self.local.left = None
+            if not left.drain():
+                conn = None
         if conn is not None and conn.sock is not None and _idle_and_open(conn.sock):
             return conn, True
         if conn is not None:
@@ -109,6 +115,19 @@ class JobPoster:
             self.open.discard(conn)
         if getattr(self.local, "conn", None) is conn:
             self.local.conn = None
+
+
+def _send(conn, path: str, body: bytes, headers: dict) -> None:
+    """The request's head and body as one segment (``http.client`` writes them apart: the server would see the
+    head, start the request and wait for the body), corked where the platform has ``TCP_CORK``."""
+    cork = getattr(socket, "TCP_CORK", None)
+    if cork is not None:
+        conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+    finally:
+        if cork is not None and conn.sock is not None:
+            conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
 
 
 def _idle_and_open(sock) -> bool:
@@ -143,6 +162,27 @@ class LeanResponse:
                 break
             yield chunk
         self._done()
+
+    def leave(self) -> None:
+        """The caller has what it needs (the stream's last event): the end of the body (a few bytes, which may
+        still be on their way) is read when this thread next posts, not now."""
+        if not self.finished:
+            self.finished = True
+            self.poster.local.left = self
+
+    def drain(self) -> bool:
+        """Read what is left of this answer; whether its connection can serve the next request (``False``: it
+        was closed). Nothing but the end of the body may be left, and it must come within a second."""
+        try:
+            self.conn.sock.settimeout(DRAIN_TIMEOUT)
+            extra = self.response.read1(READ_SIZE)
+            self.conn.sock.settimeout(self.poster.read_timeout)
+        except (OSError, http.client.HTTPException, AttributeError):
+            extra = b"?"
+        if extra or not self.response.isclosed() or self.response.will_close:
+            self.poster.drop(self.conn)
+            return False
+        return True
 
     def close(self) -> None:
         """End the exchange: a response not read to its end takes its connection with it."""

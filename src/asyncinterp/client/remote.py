@@ -427,6 +427,7 @@ class RemoteExecution:
                     except RemoteError as exc:
                         raise remote_exception(exc) from None
                 unpacker = wire.stream_unpacker(wire.STREAM_ANSWER_LIMITS)
+                leave = getattr(r, "leave", None)   # the lean path (job_post): the body's end is read later
                 for chunk in r.iter_bytes():
                     unpacker.feed(chunk)
                     for obj in unpacker:
@@ -439,6 +440,9 @@ class RemoteExecution:
                             results = obj.get("results")
                         elif on_event is not None:
                             on_event(obj)
+                    if results is not None and leave is not None:
+                        leave()
+                        break
         except (httpx.HTTPError, OSError, http.client.HTTPException) as exc:
             if self.cancelled:
                 raise RunCancelled("the remote job was cancelled") from None
