@@ -222,10 +222,9 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
                 pass
     try:
         if msg.get("stream"):
-            sub = worker.batcher.start(checked, envelope, stream=True)
-            sub.on_answer = reply_now
-            events = worker.batcher.events(sub)
-            worker.send_event(jid, {"event": "accepted"})   # read and checked: the server starts its answer
+            # read and checked: the server starts its answer (told first: what follows start() delays the forward)
+            worker.send_event(jid, {"event": "accepted"})
+            events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True, on_answer=reply_now))
             try:
                 async for ev in events:
                     if ev["event"] == "done":
@@ -235,9 +234,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
             finally:
                 await events.aclose()
         else:
-            sub = worker.batcher.start(checked, envelope)
-            sub.on_answer = reply_now
-            outcomes = await worker.batcher.answer(sub)
+            outcomes = await worker.batcher.answer(worker.batcher.start(checked, envelope, on_answer=reply_now))
     finally:
         worker.tags.pop(meter, None)
     if replied:

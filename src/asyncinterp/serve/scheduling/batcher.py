@@ -156,12 +156,14 @@ class Batcher(aio.Closable):
         fails here, on the caller's line); returns its result carrier, whose ``spec`` is the job's part."""
         return self.model.engine(kind).make_invoke(index, input, fns, kwargs, deferred)
 
-    def start(self, job, envelope: Envelope = NO_ENVELOPE, *, stream: bool = False, single: bool = False) -> Submission:
+    def start(self, job, envelope: Envelope = NO_ENVELOPE, *, stream: bool = False, single: bool = False,
+              on_answer=None) -> Submission:
         """Take a job (a :class:`~asyncinterp.job.Job`, or the parts a server read: anything with its
         ``invokes``, ``kind``, ``on_error`` and ``generation``) with its serving envelope; queue it (a live
         engine: hand it to the engine now) and return its :class:`~.submission.Submission`, whose answer
         :meth:`answer` awaits. ``single``: its answer is its one invoke's value, not one ``(ok, value)`` per
-        invoke."""
+        invoke; ``on_answer(ok, value)``: called in the thread that answers it, first (see
+        :meth:`~.submission.Submission.answer`)."""
         if any(spec.background for spec in job.invokes):
             raise ValueError("a job with persistent edits (model.edit) cannot go through the serving front: the "
                              "front runs its model's own edits; send the job's other invokes")
@@ -171,7 +173,7 @@ class Batcher(aio.Closable):
         generation = dict(job.generation or {})
         max_new_tokens = generation.pop("max_new_tokens", None)
         return self._submission(job.kind, job.invokes, job.on_error, generation, max_new_tokens, stream, single,
-                                envelope)
+                                envelope, on_answer)
 
     async def answer(self, sub: Submission):
         """Wait for ``sub``'s answer (``TimeoutError`` at its envelope's deadline, extended by the time other
@@ -252,7 +254,8 @@ class Batcher(aio.Closable):
         return self._submission("generate", ((input, fns, {}),), "stop", generate_kwargs, max_new_tokens, stream,
                                 True, envelope)
 
-    def _submission(self, kind, invokes, on_error, gen, max_new_tokens, stream, single, envelope) -> Submission:
+    def _submission(self, kind, invokes, on_error, gen, max_new_tokens, stream, single, envelope,
+                    on_answer=None) -> Submission:
         """The one submission of a job (``invokes``: its invoke specs, or ``(input, fns[, kwargs])``): checked,
         keyed (which submissions may share a run) and queued."""
         if not invokes or len(invokes) > self.max_batch:
@@ -280,6 +283,7 @@ class Batcher(aio.Closable):
             key += (object(),)
         sub = Submission(kind, invokes, on_error=on_error, gen=gen, max_new_tokens=max_new_tokens, key=key,
                          single=single, stream=stream, envelope=envelope)
+        sub.on_answer = on_answer
         if kind == "generate":
             for inv in sub.invokes:   # as locally: the job's seed for every invoke, or a fresh one for each
                 inv.gen = _own_seed(inv.gen)
