@@ -94,7 +94,8 @@ STREAM_ANSWER_LIMITS = answer_limits(1 << 30)
 
 
 # --------------------------------------------------------------------------- tensors
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def _tensor_data(t: torch.Tensor):
+    """The bytes of ``t``'s elements, C order, on the CPU: a view of its memory where it allows one."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -105,7 +106,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
         t = t.resolve_neg()
     if t.numel() == 0:
         return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if _HAS_NUMPY else _ctypes_bytes(t)
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if _HAS_NUMPY else _ctypes_bytes(t)
 
 
 def _ctypes_bytes(t):
@@ -120,13 +121,25 @@ except ImportError:  # pragma: no cover
     _HAS_NUMPY = False
 
 
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of ``n`` bytes."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
 def encode_tensor(t: torch.Tensor) -> msgpack.ExtType:
     if t.layout != torch.strided:
         t = t.to_dense()
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise WireError(f"tensors of dtype {t.dtype} cannot be sent; convert to one of {sorted(DTYPES)}")
-    payload = msgpack.packb([name, list(t.shape), _tensor_bytes(t)], use_bin_type=True)
+    data = _tensor_data(t)
+    # msgpack's [name, shape, data] with the element bytes copied once, from the tensor's memory
+    payload = b"".join((b"\x93", msgpack.packb(name), msgpack.packb(list(t.shape)), _bin_header(data.nbytes
+                        if isinstance(data, memoryview) else len(data)), data))
     return msgpack.ExtType(EXT_TENSOR, payload)
 
 
