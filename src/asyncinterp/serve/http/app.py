@@ -580,10 +580,10 @@ class Server:
             return await self._respond(request, fields, call, answer)
         return await self._guarded(request, "generate", work)
 
-    def _stream(self, events, encode=None, encode_error=None, end_on_error=False, mark_final=False):
+    def _stream(self, events, encode=None, encode_error=None, end_on_error=False, mark_final=False, first=None):
         """The body of a streaming answer (:func:`~..jobs.event_stream.stream_events`); msgpack maps unless given."""
         return stream_events(events, encode or _msgpack_event, encode_error or _msgpack_stream_error,
-                             end_on_error, mark_final)
+                             end_on_error, mark_final, first)
 
     # ------------------------------------------------------------------ OpenAI-compatible endpoints
     async def _completions(self, request):

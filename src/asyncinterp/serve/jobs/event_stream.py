@@ -32,24 +32,36 @@ class Final:
         self.data = data
 
 
-async def stream_events(events, encode, encode_error, end_on_error=False, mark_final=False):
+async def stream_events(events, encode, encode_error, end_on_error=False, mark_final=False, first=None):
     """The body of a streaming answer: ``encode(event)`` for each event of a front's stream, ``encode_error(fail)``
     for a failure (the request's, or an event that cannot be encoded: the stream goes on after that unless
     ``end_on_error``, which cancels the request). ``mark_final``: the last chunk comes as :class:`Final`
-    (for :class:`EventStreamResponse`)."""
+    (for :class:`EventStreamResponse`); ``first``: an event already taken from ``events``, sent first."""
     last = Final if mark_final else bytes
+
+    def chunk_of(ev):
+        """What ``ev`` sends (``None``: nothing) and whether the stream ends with it."""
+        try:
+            chunk = encode(ev)
+        except wire.WireError as exc:
+            error = encode_error(errors.failure(exc))
+            return (last(error) if end_on_error else error), end_on_error
+        if not chunk:
+            return None, False
+        return (last(chunk) if ev.get("event") == "done" else chunk), False
     try:
+        if first is not None:
+            chunk, end = chunk_of(first)
+            if chunk is not None:
+                yield chunk
+            if end:
+                return
         async for ev in events:
-            try:
-                chunk = encode(ev)
-            except wire.WireError as exc:
-                yield encode_error(errors.failure(exc))
-                if end_on_error:
-                    return
-                continue
-            if chunk:
-                yield last(chunk) if ev.get("event") == "done" else chunk
-        return
+            chunk, end = chunk_of(ev)
+            if chunk is not None:
+                yield chunk
+            if end:
+                return
     except INTERVENTION_ERRORS as exc:
         yield last(encode_error(errors.failure(exc)))
     finally:

@@ -139,7 +139,7 @@ async def _in_worker(server, request, fields, data, stream, timeout) -> Response
 
     def streamed(first):
         fields["stream"] = True
-        return EventStreamResponse(server.stream_events(_resumed(first, events), _worker_event, mark_final=True),
+        return EventStreamResponse(server.stream_events(events, _worker_event, mark_final=True, first=first),
                                    media_type=MSGPACK_STREAM)
     # the answer starts once the worker has accepted the job (its first event): a refusal is a plain error answer
     try:
@@ -150,17 +150,6 @@ async def _in_worker(server, request, fields, data, stream, timeout) -> Response
     if not isinstance(response, EventStreamResponse):   # the client went away first
         await events.aclose()
     return response
-
-
-async def _resumed(first, events):
-    """The job's events, ``first`` (already read: the worker's acceptance, or an event) in front."""
-    try:
-        if first.get("event") != "accepted":
-            yield first
-        async for ev in events:
-            yield ev
-    finally:
-        await events.aclose()
 
 
 def outline_of(server, data):
@@ -181,7 +170,7 @@ def _worker_answer(results: bytes) -> Response:
 
 
 def _worker_event(ev) -> bytes:
-    if ev["event"] == "accepted":   # a job re-run after its worker died is accepted again: nothing to say
+    if ev["event"] == "accepted":   # the worker accepted it (first, and again if it re-runs): nothing to say
         return b""
     if ev["event"] == "done":
         return wire.packb_with({"event": "done", "ok": True}, "results", _encoded(ev["result"]))
