@@ -80,7 +80,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(live, model, monk
         for remote in (checked, unchecked):
             remote.trace(PROMPT, last)
         first = (checked.poster.local.conn, unchecked.poster.local.conn)
-        time.sleep(5.5)             # past uvicorn's keep-alive timeout (5 s): it closes both connections
+        time.sleep(7.0)             # past uvicorn's keep-alive timeout (5 s): it closes both connections
         assert torch.allclose(checked.trace(PROMPT, last), expected, atol=1e-5)     # noticed before reuse
         monkeypatch.setattr(job_post, "_idle_and_open", lambda sock: True)       # not noticed: sent, refused
         assert torch.allclose(unchecked.trace(PROMPT, last), expected, atol=1e-5)  # ... and sent again
