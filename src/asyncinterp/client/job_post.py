@@ -58,26 +58,20 @@ class JobPoster:
     def post(self, path: str, body: bytes, headers: dict) -> "LeanResponse":
         """POST ``body`` to ``path``; the response once its status line and headers are in (``OSError`` or
         ``http.client.HTTPException`` if the server cannot be reached or answers no HTTP)."""
-        conn, reused = self._connection()
         headers = {**headers, "content-length": str(len(body))}
-        try:
-            _send(conn, self.prefix + path, body, headers)
-            response = conn.getresponse()
-        except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
-            self.drop(conn)
-            if not reused:
-                raise
-            conn, _ = self._connection()    # the idle connection was closed under us: the server never read it
+        while True:     # at most twice: after a dropped connection, the next one is fresh
+            conn, reused = self._connection()
             try:
                 _send(conn, self.prefix + path, body, headers)
-                response = conn.getresponse()
+                return LeanResponse(self, conn, conn.getresponse())
+            except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
+                self.drop(conn)
+                if not reused:
+                    raise
+                # the idle connection was closed under us: the server never read the request, send it again
             except BaseException:
                 self.drop(conn)
                 raise
-        except BaseException:
-            self.drop(conn)
-            raise
-        return LeanResponse(self, conn, response)
 
     def close(self) -> None:
         with self.lock:

@@ -50,14 +50,15 @@ async def stream_events(events, encode, encode_error, end_on_error=False, mark_f
             return None, False
         return (last(chunk) if ev.get("event") == "done" else chunk), False
     try:
-        if first is not None:
-            chunk, end = chunk_of(first)
-            if chunk is not None:
-                yield chunk
-            if end:
-                return
-        async for ev in events:
+        ev = first
+        while True:
+            if ev is None:
+                try:
+                    ev = await events.__anext__()
+                except StopAsyncIteration:
+                    return
             chunk, end = chunk_of(ev)
+            ev = None
             if chunk is not None:
                 yield chunk
             if end:

@@ -163,13 +163,18 @@ def _kind(body: dict) -> tuple:
 def _trusted_form(spec) -> bool:
     """Whether an intervention's wire form is one the server binds to its own code: a registered intervention
     (``{"name", "params"}``) or an activation cache's options (``{"cache": ...}``), never a captured function."""
-    return isinstance(spec, dict) and "function" not in spec and ("name" in spec or "cache" in spec)
+    return _form(spec, "name") or _form(spec, "cache")
+
+
+def _form(spec, key: str) -> bool:
+    """Whether ``spec`` is the wire form named by ``key`` (``name``, ``cache``, ``edit``), not a captured function."""
+    return isinstance(spec, dict) and key in spec and "function" not in spec
 
 
 def _or_cache(compile):
     """An activation cache (``{"cache": options}``) is built here, as trusted code (see :mod:`.cache_wire`)."""
     def compile_or_cache(spec):
-        if isinstance(spec, dict) and "cache" in spec and "function" not in spec:
+        if _form(spec, "cache"):
             return build_cache(spec["cache"])
         return compile(spec)
     return compile_or_cache
@@ -178,7 +183,7 @@ def _or_cache(compile):
 def _or_edit(compile, edit):
     """``edit(name)`` for a named edit (``{"edit": name}``), ``compile(spec)`` for the rest."""
     def compile_or_edit(spec):
-        if isinstance(spec, dict) and "edit" in spec and "function" not in spec:
+        if _form(spec, "edit"):
             return edit(spec["edit"])
         return compile(spec)
     return compile_or_edit
@@ -187,7 +192,7 @@ def _or_edit(compile, edit):
 def _or_named(compile, named):
     """``named(spec)`` for a registered intervention (``{"name", "params"}``), ``compile(spec)`` for the rest."""
     def compile_or_bind(spec):
-        if isinstance(spec, dict) and "name" in spec and "function" not in spec:
+        if _form(spec, "name"):
             return named(spec)
         return compile(spec)
     return compile_or_bind

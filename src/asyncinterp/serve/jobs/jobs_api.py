@@ -62,6 +62,7 @@ _FIELDS = frozenset({"protocol", "asyncinterp", "python", "job", "timeout", "str
 _GENERATION_OPTIONS = ("stop", "do_sample", "temperature", "top_k", "top_p", "seed")
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 _FORWARD_KWARGS = frozenset({"logits_to_keep"})   # forward keyword arguments a job may give (ints)
+DEFAULT_NEW_TOKENS = 20   # a generation that gives no max_new_tokens (as locally)
 INLINE_CHECK_BYTES = 16 << 10   # jobs up to this size are read and checked on the event loop, without a thread hop
 MSGPACK = "application/msgpack"
 MSGPACK_STREAM = "application/x-msgpack-stream"
@@ -333,7 +334,7 @@ def _checked(server, job) -> JobParts:
     options = {}
     if job.kind == "generate":
         gen = dict(job.generation)
-        max_new = gen.pop("max_new_tokens", 20)
+        max_new = gen.pop("max_new_tokens", DEFAULT_NEW_TOKENS)
         server.check_new_tokens(longest, max_new)
         for key, value in gen.items():
             _check_generation_option(key, value, gen)

@@ -59,7 +59,7 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     if server.supervised:   # the worker that runs it reads and checks it (jobs_api.run_in_worker)
         outline = jobs_api.outline_of(server, data)
         kind, invokes = outline.kind, outline.invokes
-        total = outline.generation.get("max_new_tokens", 20) if kind == "generate" else None
+        total = outline.generation.get("max_new_tokens", jobs_api.DEFAULT_NEW_TOKENS) if kind == "generate" else None
         events = server.batcher.stream_job(data, code=outline.code, timeout=timeout)
         encode = None
     else:
