@@ -205,6 +205,9 @@ size dim ndimension numel nelement element_size stride is_floating_point is_comp
 tolist __len__ __bool__ __float__ __int__ __index__ __complex__ __format__ __repr__ is_nonzero is_same_size
 __contains__ equal allclose
 """)
+# the result has the shape and dtype of the tensor it is called on (or is a view of it): no larger than it, so
+# the size check needs no run on meta tensors when that tensor is within the cap and no dtype is asked for
+SIZE_KEEPING = _words("clone detach contiguous softmax log_softmax neg abs exp log sqrt tanh sigmoid relu")
 # output size depends on the data (no meta kernel): checked by rule before running, or bounded by the input
 DATA_DEPENDENT = _words("bincount repeat_interleave nonzero argwhere masked_select unique unique_consecutive")
 # index tensors must lie inside the indexed dimension (GPU kernels do not check: a device assert kills every request)

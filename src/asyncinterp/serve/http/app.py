@@ -45,8 +45,8 @@ import functools
 import hmac
 import inspect
 import logging
+import os
 import time
-import uuid
 
 import torch
 from starlette.applications import Starlette
@@ -197,19 +197,20 @@ class Server:
         return self._app
 
     def _build_app(self):
+        # the router tries routes in order: the busiest first (each route tried costs a match per request)
         routes = [
+            *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             Route("/v1/health", self._health, methods=["GET"]),
             Route("/v1/model", self._model_info, methods=["GET"]),
             Route("/v1/trace", self._trace, methods=["POST"]),
             Route("/v1/generate", self._generate, methods=["POST"]),
-            Route("/v1/completions", self._completions, methods=["POST"]),
-            Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/tokenize", self._tokenize, methods=["POST"]),
             Route("/detokenize", self._detokenize, methods=["POST"]),
             Route("/version", self._version, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
-            *jobs_api.routes(self),      # POST /v1/jobs: a whole job (ai.remote), see jobs_api
             *capabilities.routes(self),  # GET /v1/capabilities: the served model's points, probed once
             Route("/v1/sessions", functools.partial(sessions.session_endpoint, self), methods=["POST"]),
             *openai_batches.routes(self),   # OpenAI's files and batches, runtime edits (on the kept-jobs store)
@@ -428,9 +429,10 @@ class Server:
         ``count``: whether the request counts in ``/metrics`` (a scrape does not count itself, as in vLLM).
         """
         t0 = time.perf_counter()
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        fields = {"event": kind, "request_id": rid[:64], "path": request.url.path,
-                  "client": request.client.host if request.client else None}
+        rid = request.headers.get("x-request-id") or os.urandom(8).hex()
+        client = request.scope.get("client")   # (the scope's own values: no URL or Address object per request)
+        fields = {"event": kind, "request_id": rid[:64], "path": request.scope["path"],
+                  "client": client[0] if client else None}
         arrivals = getattr(self.batcher, "arrivals", None) if kind in _MODEL_WORK else None
         try:
             self._check_key(request)

@@ -142,7 +142,8 @@ async def _in_worker(server, request, fields, data, stream, timeout) -> Response
         fields["stream"] = True
         return EventStreamResponse(server.stream_events(events, _worker_event, mark_final=True, first=first),
                                    media_type=MSGPACK_STREAM)
-    # the answer starts once the worker has accepted the job (its first event): a refusal is a plain error answer
+    # the answer starts once the worker has accepted the job (its first event, as its batch begins): a refusal is a
+    # plain error answer
     try:
         response = await server.respond(request, fields, events.__anext__, streamed)
     except BaseException:
@@ -171,7 +172,7 @@ def _worker_answer(results: bytes) -> Response:
 
 
 def _worker_event(ev) -> bytes:
-    if ev["event"] == "accepted":   # the worker accepted it (first, and again if it re-runs): nothing to say
+    if ev["event"] == "accepted":   # its batch began (first, and again if it re-runs): nothing to say
         return b""
     if ev["event"] == "done":
         return wire.packb_with({"event": "done", "ok": True}, "results", _encoded(ev["result"]))
@@ -187,7 +188,8 @@ def _encoded(results) -> bytes:
 async def run_in_worker(worker, jid, msg, timeout) -> dict:
     """In a worker process (:mod:`.worker_proc`): read, check and tokenize the job (the server read only its
     outline), run it on the worker's front as one submission, reply with the answer's results (a streaming
-    job: ``accepted`` once it is checked, then its events as they come)."""
+    job: its events as they come; the server hears that it was accepted from the "batch" message that starts
+    its forward)."""
     server = worker.server
     runs_code = server.allow_code and worker.runs_code
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
@@ -212,8 +214,8 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
                 pass
     try:
         if msg.get("stream"):
-            # read and checked: the server starts its answer (told first: what follows start() delays the forward)
-            worker.send_event(jid, {"event": "accepted"})
+            # the server starts its answer when it hears that the job's batch began (the worker's "batch"
+            # message, sent as the forward starts): no message of its own before the forward
             events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True, on_answer=reply_now))
             try:
                 async for ev in events:

@@ -101,9 +101,31 @@ def _data_dependent_check(name, args, kwargs):
         check_size("repeat_interleave", total * src.element_size())
 
 
+def _basic_index(index) -> bool:
+    """Whether ``index`` selects a view (ints, slices, ``None``, ``...``): never more elements than indexed."""
+    if isinstance(index, tuple):
+        return all(_basic_index(i) for i in index)
+    return index is None or index is Ellipsis or isinstance(index, (int, slice))
+
+
+def _bounded(name, args, kwargs) -> bool:
+    """Whether the result cannot be larger than ``args[0]``, itself within the cap (no meta run needed)."""
+    if not args or type(args[0]) is not PrivateTensor:
+        return False
+    if name == "__getitem__":
+        if len(args) != 2 or kwargs or not _basic_index(args[1]):
+            return False
+    elif name not in policy.SIZE_KEEPING or "dtype" in kwargs or "out" in kwargs \
+            or any(isinstance(a, (torch.Tensor, torch.dtype)) for a in args[1:]):
+        return False
+    t = args[0]
+    return nbytes(t.shape, t.dtype) <= policy.MAX_TENSOR_BYTES
+
+
 def precheck(name, func, args, kwargs):
-    """Before an allowed operation runs: index bounds, and the size of what it makes (on meta tensors)."""
-    if name in policy.NO_ALLOC:
+    """Before an allowed operation runs: index bounds, and the size of what it makes (on meta tensors, unless
+    it is bounded by its input, :func:`_bounded`)."""
+    if name in policy.NO_ALLOC or _bounded(name, args, kwargs):
         return
     _index_bounds(name, args, kwargs)
     if name in policy.DATA_DEPENDENT:

@@ -36,6 +36,7 @@ def __getattr__(name):   # old names (Ticket: a submission): the compatibility t
 
 
 TICK = 0.02           # seconds between a pool's checks of its worker
+ACCEPTED = {"event": "accepted"}   # a remote job's first event: the worker read and checked it, and its batch began
 
 
 class WorkerHandle:
@@ -265,6 +266,8 @@ class Pool:
             for j in jobs:
                 if j.state == "sent":
                     j.state = "running"
+                if j.stream and j.kind == "job":   # a streamed remote job is accepted as its batch starts
+                    j.mailbox.put(("event", True, ACCEPTED))
             self.sup.count("batches")
             self.sup.count("requests", len(jobs))
         elif t == "batch_end":

@@ -315,8 +315,8 @@ class Supervisor(aio.Closable):
         return await self._wait(self._submit_job(data, code, timeout, False, owner))
 
     def stream_job(self, data: bytes, *, code: bool, timeout: float | None = None, owner=None) -> "SupervisedStream":
-        """:meth:`job` as a stream: ``accepted`` once the worker has read and checked it, its invokes' events,
-        then ``done`` with the results."""
+        """:meth:`job` as a stream: ``accepted`` once the worker has read and checked it and its batch begins (the
+        worker's ``batch`` message), its invokes' events, then ``done`` with the results."""
         return SupervisedStream(self._submit_job(data, code, timeout, True, owner))
 
     def _submit_job(self, data, code, timeout, stream, owner=None) -> Submission:

@@ -29,7 +29,7 @@ not wait for company), ``{"op": "cancel", "id"}``,
 ``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid", "confined", "threads"}`` (``threads``: the
 process's threads when it started, before its own: 1);
 ``{"t": "batch", "ids"}`` from the batcher's thread just before a batch
-starts (before any of its code runs) and ``{"t": "batch_end"}`` when it has
+starts (before any of its code runs; for a streamed remote job, also its acceptance) and ``{"t": "batch_end"}`` when it has
 ended; ``{"t": "event", "id", "event"}``
 (``token``/``emit``/``restart``, as produced); ``{"t": "done", "id", "ok":
 true, "value"}`` (a generation's ``value`` also carries its log-probabilities,
