@@ -233,6 +233,8 @@ class Worker:
         self.runs_code = settings.get("runs_code", True)   # see Pool.runs_code
         self.tags = {}      # Meter -> request id: the batcher's requests carry the meter given to them
         self.scopes = {}    # request id -> its cancel scope
+        self.live = 0       # requests received whose task has not ended
+        self.waiting = None  # the cancel scope of the event loop's wait for the pipe, while requests are live
         self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,
                                          lambda r: self._out_of_memory(self.tags.get(r.meter)), **settings["batcher"])
         server.batcher = self.batcher   # what the server's code reads of its batcher here (max_batch, ...)
@@ -246,14 +248,14 @@ class Worker:
                            "threads": self.settings.get("threads_at_start")})
         while True:
             try:
-                # read in this loop (no thread hop): the server writes each message whole, so one that is
-                # readable is read at once
-                await aio.wait_readable(self.channel)
-                msg = self.channel.recv(True)
+                msg = await self._next_message()
             except (EOFError, OSError):
                 break
+            if msg is None:     # the last live request ended: wait the idle way
+                continue
             op = msg.get("op")
             if op == "run":
+                self.live += 1
                 start(self._arriving, msg)
             elif op == "arrivals":
                 self.batcher.arrivals.relay(msg.get("n", 0))
@@ -274,9 +276,28 @@ class Worker:
     def _batch_ended(self) -> None:   # on the batcher's thread
         self.channel.send({"t": "batch_end"})
 
+    async def _next_message(self):
+        """The server's next message; ``None`` if the wait was ended because no request is live any more.
+
+        The server writes each message whole, so one that is readable is read at once, in this loop (no
+        thread hop). With no request live, nothing else can happen in this loop until the server writes: the
+        wait is then a plain blocking read, without the event loop's wait for the descriptor and its wake-up
+        (the first request after a pause is read as soon as it arrives)."""
+        if not self.live:
+            return self.channel.recv(True)
+        with aio.cancel_scope() as self.waiting:
+            await aio.wait_readable(self.channel)
+            return self.channel.recv(True)
+        return None     # cancelled by the last live request as it ended (_arriving)
+
     async def _arriving(self, msg) -> None:
-        with self.batcher.arrivals.expect():   # on its way to the batcher until it is submitted
-            await self._run(msg)
+        try:
+            with self.batcher.arrivals.expect():   # on its way to the batcher until it is submitted
+                await self._run(msg)
+        finally:
+            self.live -= 1
+            if not self.live and self.waiting is not None:
+                aio.cancel_quietly(self.waiting)
 
     async def _run(self, msg) -> None:
         jid = msg["id"]
