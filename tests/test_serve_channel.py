@@ -108,3 +108,36 @@ def test_the_rest_of_a_message_the_pipe_took_in_part_goes_first():
     sender = start_sender(outbox)
     assert received(theirs, 2) == [b"first message, written in part", b"second"]
     close(outbox, sender, channel)
+
+
+def test_a_message_in_parts_arrives_whole_and_in_order_with_the_others():
+    """``send_parts`` (a worker's large answer) writes its parts without joining them; the pipe takes a few
+    megabytes only as the reader reads, so the writes are partial. The reader (``recv``, the server) gets each
+    message whole, in order, among plain ones sent from another thread."""
+    from asyncinterp.client import wire
+    ours, theirs = multiprocessing.get_context("fork").Pipe(duplex=True)
+    writer, reader = Channel(ours), Channel(theirs)
+    blob = bytes(range(256)) * (3 << 12)            # 3 MiB: more than the pipe holds
+    parts = [wire.array_header(2), wire.packb({"ok": True}), wire.packb({"ok": True, "value": blob})]
+    size = sum(len(p) for p in parts)
+    head = wire.packb_with({"t": "done", "id": 1, "ok": True}, "value", wire.bin_header(size))
+
+    def send():
+        for i in range(3):
+            writer.send_parts([head, *parts])
+            writer.send({"t": "event", "id": i})
+    t = threading.Thread(target=send)
+    t.start()
+    got = [reader.recv(True) for _ in range(6)]
+    t.join(10)
+    for i in range(3):
+        assert got[2 * i]["value"] == b"".join(parts)
+        assert wire.unpackb(got[2 * i]["value"]) == [{"ok": True}, {"ok": True, "value": blob}]
+        assert got[2 * i + 1] == {"t": "event", "id": i}
+    writer.close()
+    try:
+        reader.recv()
+        raise AssertionError("a closed pipe must end the reader")
+    except EOFError:
+        pass
+    reader.close()

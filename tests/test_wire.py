@@ -218,3 +218,24 @@ def test_values_encoded_once_decode_as_if_encoded_with_their_map(n_head):
         assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
     with pytest.raises(ValueError, match="twice"):
         wire.packb_with({"results": 1}, "results", b"\x90")
+
+
+@pytest.mark.parametrize("wrap", [lambda x: [x], lambda x: {"k": x}, lambda x: (x,)])
+def test_packb_depth_limit_is_exact_for_every_container(wrap):
+    def nested(levels, leaf):
+        for _ in range(levels):
+            leaf = wrap(leaf)
+        return leaf
+    for leaf in (0, "s", None, 1.5):
+        assert wire.unpackb(wire.packb(nested(wire.MAX_DEPTH, leaf)), wire.Limits(max_depth=64)) == \
+            nested(wire.MAX_DEPTH, leaf)
+        with pytest.raises(WireError, match="nested deeper"):
+            wire.packb(nested(wire.MAX_DEPTH + 1, leaf))
+
+
+def test_packb_refuses_dict_keys_that_are_not_str_or_int_at_any_depth():
+    for key in (True, 1.5, None, b"k", (1, 2)):
+        for value in ({key: 1}, [{key: 1}], {"a": {"b": {key: [1]}}}):
+            with pytest.raises(WireError, match="dict keys must be str or int"):
+                wire.packb(value)
+    assert wire.unpackb(wire.packb({3: "x", "y": [1, {4: None}]})) == {3: "x", "y": [1, {4: None}]}

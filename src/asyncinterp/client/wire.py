@@ -143,11 +143,42 @@ def encode_tensor(t: torch.Tensor) -> msgpack.ExtType:
     return msgpack.ExtType(EXT_TENSOR, payload)
 
 
-def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+def _split_tensor_payload(payload: bytes):
+    """``[dtype, shape, data]`` of a tensor payload, ``data`` a view of ``payload`` (not a copy: the elements
+    are copied once, into the tensor); ``None`` when the payload is not in the form :func:`encode_tensor`
+    writes (the caller then decodes it the general way, which reports what is wrong)."""
+    unpacker = msgpack.Unpacker(raw=False, use_list=True, strict_map_key=True)
+    unpacker.feed(payload[:_HEAD_BYTES])   # dtype and shape: a few dozen bytes
     try:
-        obj = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:
-        raise WireError(f"malformed tensor payload ({type(exc).__name__})") from None
+        if unpacker.read_array_header() != 3:
+            return None
+        name, shape = unpacker.unpack(), unpacker.unpack()
+    except Exception:  # noqa: BLE001 - not this form (or not whole in the head): the general way says why
+        return None
+    start = unpacker.tell()
+    if start >= len(payload):
+        return None
+    kind = payload[start]
+    width = {0xc4: 1, 0xc5: 2, 0xc6: 4}.get(kind)
+    if width is None or start + 1 + width > len(payload):
+        return None
+    n = int.from_bytes(payload[start + 1:start + 1 + width], "big")
+    begin = start + 1 + width
+    if begin + n != len(payload):
+        return None
+    return [name, shape, memoryview(payload)[begin:]]
+
+
+_HEAD_BYTES = 256   # more than a dtype name and a shape of MAX dims take
+
+
+def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    obj = _split_tensor_payload(payload)
+    if obj is None:
+        try:
+            obj = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+        except Exception as exc:
+            raise WireError(f"malformed tensor payload ({type(exc).__name__})") from None
     if not (isinstance(obj, list) and len(obj) == 3):
         raise WireError("a tensor must be [dtype, shape, data]")
     name, shape, data = obj
@@ -162,7 +193,7 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
         numel *= d
         if numel > limits.max_tensor_elements:
             raise WireError(f"tensor of shape {shape} has more than {limits.max_tensor_elements} elements")
-    if not isinstance(data, bytes):
+    if not isinstance(data, (bytes, memoryview)):
         raise WireError("tensor data must be bytes")
     dtype = DTYPES[name]
     itemsize = dtype.itemsize
@@ -196,11 +227,23 @@ def _default(obj):
                     "numbers, strings, bytes, None, lists, tuples and dicts")
 
 
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})   # values msgpack takes as they are
+
+
 def _prepare(obj, depth=0):
     """Turn tuples into ext 2 before msgpack sees them (msgpack would make them lists)."""
     if depth > MAX_DEPTH:
         raise WireError(f"value nested deeper than {MAX_DEPTH} levels")
-    if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+    kind = type(obj)
+    if kind in _PLAIN:
+        return obj
+    if depth < MAX_DEPTH:   # the common containers, their plain items taken as they are (one call less per item)
+        if kind is dict:
+            return {(k if type(k) is str else _key(k)): (v if type(v) in _PLAIN else _prepare(v, depth + 1))
+                    for k, v in obj.items()}
+        if kind is list:
+            return [v if type(v) in _PLAIN else _prepare(v, depth + 1) for v in obj]
+    if isinstance(obj, (str, bytes, int, float, bool)):
         return obj
     if isinstance(obj, torch.Tensor):
         return encode_tensor(obj)
@@ -235,7 +278,17 @@ def packb(obj) -> bytes:
 
 def packb_array(encoded) -> bytes:
     """A msgpack array of values already encoded (each the bytes of :func:`packb`), not encoded again."""
-    return msgpack.Packer().pack_array_header(len(encoded)) + b"".join(encoded)
+    return array_header(len(encoded)) + b"".join(encoded)
+
+
+def array_header(n: int) -> bytes:
+    """msgpack's header of an array of ``n`` items (the items' bytes follow it)."""
+    return msgpack.Packer().pack_array_header(n)
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of ``n`` bytes (the bytes follow it)."""
+    return _bin_header(n)
 
 
 def packb_with(obj: dict, key: str, encoded: bytes) -> bytes:
@@ -269,7 +322,7 @@ def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS, _depth: int = 0):
 
     try:
         return msgpack.unpackb(
-            bytes(data), raw=False, use_list=True, strict_map_key=False, ext_hook=ext_hook,
+            data if isinstance(data, (bytes, bytearray)) else bytes(data), raw=False, use_list=True, strict_map_key=False, ext_hook=ext_hook,
             max_str_len=limits.max_str_len,
             max_bin_len=limits.max_bytes, max_array_len=limits.max_container_items,
             max_map_len=limits.max_container_items, max_ext_len=limits.max_bytes)

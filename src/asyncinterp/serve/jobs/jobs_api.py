@@ -208,7 +208,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     def reply_now(ok, outcomes):   # in the front's thread, as the answer arrives: no hop back to the event loop
         if ok:
             try:
-                worker.reply_done(jid, _encoded_outcomes(job.kind, outcomes))
+                worker.reply_done(jid, _encoded_outcome_parts(job.kind, outcomes))
                 replied.append(True)
             except Exception:  # noqa: BLE001 - the event loop answers it as usual (and reports what failed)
                 pass
@@ -441,6 +441,12 @@ def _outcomes(kind, outcomes) -> list:
 def _encoded_outcomes(kind, outcomes) -> bytes:
     """:func:`_outcomes` as the msgpack bytes of their list (each entry encoded once)."""
     return wire.packb_array([data for _, data in _checked_outcomes(kind, outcomes)])
+
+
+def _encoded_outcome_parts(kind, outcomes) -> list:
+    """:func:`_encoded_outcomes` in parts that follow one another (written out without being joined)."""
+    entries = [data for _, data in _checked_outcomes(kind, outcomes)]
+    return [wire.array_header(len(entries)), *entries]
 
 
 def _checked_outcomes(kind, outcomes):

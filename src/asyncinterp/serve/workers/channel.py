@@ -65,12 +65,34 @@ class Channel:
         with self.lock:
             self.conn.send_bytes(data)
 
+    def send_parts(self, parts) -> None:
+        """One message made of ``parts`` (bytes-like, one after the other), written as they are: not joined
+        into one buffer first (a large answer is copied once, by the kernel)."""
+        size = sum(len(part) for part in parts)
+        if size > MAX_MESSAGE:
+            raise ValueError(f"a message of {size} bytes is over the limit of {MAX_MESSAGE}")
+        with self.lock:
+            _write_all(self.conn.fileno(), [struct.pack("!i", size), *parts])
+
     def recv(self, trusted: bool = False) -> dict:
-        data = self.conn.recv_bytes(MAX_MESSAGE)
+        data = self._recv_frame()
         msg = wire.unpackb(data, TRUSTED_LIMITS if trusted else wire.answer_limits(len(data)))
         if not isinstance(msg, dict):
             raise wire.WireError(f"a message must be a map, got {type(msg).__name__}")
         return msg
+
+    def _recv_frame(self) -> bytearray:
+        """The next message's bytes, read into one buffer of its size (as ``Connection.recv_bytes`` frames them,
+        without its intermediate copies); ``EOFError`` at the end of the pipe, ``OSError`` for a message over
+        :data:`MAX_MESSAGE` or cut short."""
+        fd = self.conn.fileno()
+        head = _read_exactly(fd, 4, at_start=True)
+        size, = struct.unpack("!i", head)
+        if size == -1:                     # (how send_bytes frames a message of 2 GiB or more)
+            size, = struct.unpack("!Q", _read_exactly(fd, 8))
+        if size < 0 or size > MAX_MESSAGE:
+            raise OSError(f"bad message length ({size} bytes; the limit is {MAX_MESSAGE})")
+        return _read_exactly(fd, size)
 
     def try_send(self, frame: bytes) -> int:
         """Write what the pipe takes of ``frame`` without waiting; the bytes written (0: none, or no socket).
@@ -100,6 +122,31 @@ class Channel:
         self.conn.close()
         if self.sock is not None:
             self.sock.close()
+
+
+def _read_exactly(fd: int, n: int, at_start: bool = False) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = os.readv(fd, [view[got:]])
+        if k == 0:
+            if at_start and got == 0:
+                raise EOFError
+            raise OSError("got end of file during message")
+        got += k
+    return buf
+
+
+def _write_all(fd: int, buffers) -> None:
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def frame(data: bytes) -> bytes:

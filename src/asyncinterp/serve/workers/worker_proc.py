@@ -394,9 +394,13 @@ class Worker:
 
     REPLIED = {"t": "replied"}   # what a job's call returns when its answer was sent already
 
-    def reply_done(self, jid, results: bytes) -> None:
-        """A job's answer, its results encoded (any thread: the channel keeps messages whole)."""
-        self._reply({"t": "done", "id": jid, "ok": True, "value": results})
+    def reply_done(self, jid, results: list) -> None:
+        """A job's answer, its results encoded in parts that follow one another (any thread: the channel keeps
+        messages whole): ``{"t": "done", "id", "ok": true, "value": <the parts as one bin>}``, written without
+        joining the parts or copying them into the message."""
+        size = sum(len(part) for part in results)
+        head = wire.packb_with({"t": "done", "id": jid, "ok": True}, "value", wire.bin_header(size))
+        self.channel.send_parts([head, *results])
 
     def _reply(self, reply) -> None:
         try:
