@@ -139,3 +139,47 @@ def test_the_end_of_an_answer_is_read_when_the_connection_is_next_used(live, mod
         assert remote.poster.local.conn is conn           # drained and reused, never reopened
     finally:
         remote.close()
+
+
+def test_a_request_head_and_body_go_out_in_one_write():
+    """``http.client`` writes a request's head and body apart (two system calls, and the server sees the head
+    first); the lean path's connection writes them together."""
+    import socket as _socket
+    import threading as _threading
+    from asyncinterp.client.job_post import OneSegmentConnection
+    srv = _socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    received = []
+
+    def serve():
+        c, _ = srv.accept()
+        data = b""
+        while not data.endswith(b"y" * 10):
+            data += c.recv(65536)
+        received.append(data)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        c.close()
+    t = _threading.Thread(target=serve)
+    t.start()
+    conn = OneSegmentConnection("127.0.0.1", srv.getsockname()[1], timeout=5)
+    conn.connect()
+    writes = []
+    real = conn.sock
+
+    class Counting:
+        def sendall(self, data):
+            writes.append(bytes(data))
+            return real.sendall(data)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    conn.sock = Counting()
+    body = b"x" * 3000 + b"y" * 10
+    conn.request("POST", "/v1/jobs", body=body, headers={"content-length": str(len(body))})
+    conn.sock = real
+    assert conn.getresponse().read() == b"ok"
+    t.join(5)
+    srv.close()
+    assert len(writes) == 1 and writes[0].startswith(b"POST /v1/jobs HTTP/1.1\r\n") and writes[0].endswith(body)
+    assert received[0] == writes[0]

@@ -65,14 +65,18 @@ class Channel:
         with self.lock:
             self.conn.send_bytes(data)
 
-    def send_parts(self, parts) -> None:
+    def send_parts(self, parts, then: bytes | None = None) -> None:
         """One message made of ``parts`` (bytes-like, one after the other), written as they are: not joined
-        into one buffer first (a large answer is copied once, by the kernel)."""
+        into one buffer first (a large answer is copied once, by the kernel). ``then``: a second message,
+        written in the same call (the reader gets both with one wake-up)."""
         size = sum(len(part) for part in parts)
         if size > MAX_MESSAGE:
             raise ValueError(f"a message of {size} bytes is over the limit of {MAX_MESSAGE}")
+        buffers = [struct.pack("!i", size), *parts]
+        if then is not None:
+            buffers += [struct.pack("!i", len(then)), then]
         with self.lock:
-            _write_all(self.conn.fileno(), [struct.pack("!i", size), *parts])
+            _write_all(self.conn.fileno(), buffers)
 
     def recv(self, trusted: bool = False) -> dict:
         data = self._recv_frame()

@@ -62,6 +62,7 @@ from ..scheduling.worker_failures import FAILED_EXIT, OOM_EXIT
 log = logging.getLogger("asyncinterp.serve.worker")
 
 BEAT_INTERVAL = 0.01   # seconds between heartbeats
+BATCH_END = wire.packb({"t": "batch_end"})
 
 # what a request may fail with (an intervention may raise even SystemExit/KeyboardInterrupt)
 _ERRORS = (Exception, SandboxTimeout, SystemExit, KeyboardInterrupt)
@@ -234,6 +235,8 @@ class Worker:
         self.tags = {}      # Meter -> request id: the batcher's requests carry the meter given to them
         self.scopes = {}    # request id -> its cancel scope
         self.live = 0       # requests received whose task has not ended
+        self.unanswered = set()   # ids of the running batch not answered yet by reply_done (batcher's thread)
+        self.end_told = False     # the running batch's end went out already, with its last answer
         self.waiting = None  # the cancel scope of the event loop's wait for the pipe, while requests are live
         self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,
                                          lambda r: self._out_of_memory(self.tags.get(r.meter)), **settings["batcher"])
@@ -270,11 +273,14 @@ class Worker:
         await aio.to_thread(self.batcher.close)
 
     def _batch_started(self, batch) -> None:   # on the batcher's thread
-        ids = [self.tags.get(r.meter) for r in batch if r.state == "queued"]
-        self.channel.send({"t": "batch", "ids": [i for i in ids if i is not None]})
+        ids = [i for i in (self.tags.get(r.meter) for r in batch if r.state == "queued") if i is not None]
+        self.unanswered = set(ids)
+        self.end_told = False
+        self.channel.send({"t": "batch", "ids": ids})
 
     def _batch_ended(self) -> None:   # on the batcher's thread
-        self.channel.send({"t": "batch_end"})
+        if not self.end_told:
+            self.channel.send({"t": "batch_end"})
 
     async def _next_message(self):
         """The server's next message; ``None`` if the wait was ended because no request is live any more.
@@ -400,7 +406,16 @@ class Worker:
         joining the parts or copying them into the message."""
         size = sum(len(part) for part in results)
         head = wire.packb_with({"t": "done", "id": jid, "ok": True}, "value", wire.bin_header(size))
-        self.channel.send_parts([head, *results])
+        message = [head, *results]
+        last = jid in self.unanswered and len(self.unanswered) == 1   # (reply_now calls it on the batcher's thread)
+        self.unanswered.discard(jid)
+        if last and not self.end_told:
+            # the batch's last answer: its end goes out with it, in the same write (every request of the batch is
+            # answered, so nothing the server would blame on this batch is left; the server reads both at once)
+            self.end_told = True
+            self.channel.send_parts(message, then=BATCH_END)
+        else:
+            self.channel.send_parts(message)
 
     def _reply(self, reply) -> None:
         try:
