@@ -16,13 +16,14 @@ def free_port():
 
 
 class Live:
-    """Serve ``app`` (a Server's, or any ASGI app) with uvicorn in a daemon thread; ``close()`` stops it."""
+    """Serve ``app`` (default: the server's own, ``server.asgi``, as its CLI does; or any ASGI app) with uvicorn in a
+    daemon thread; ``close()`` stops it."""
 
     def __init__(self, server, app=None, lifespan="on"):
         self.server = server
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app or server.app, host="127.0.0.1", port=self.port, log_level="warning",
+        config = uvicorn.Config(app or server.asgi, host="127.0.0.1", port=self.port, log_level="warning",
                                 access_log=False, lifespan=lifespan)
         self.uv = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uv.run, daemon=True)

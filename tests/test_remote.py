@@ -131,6 +131,28 @@ def test_two_invokes_sharing_a_future_activation_patching(local, lm):
     assert tr.invokes[0].result is None
 
 
+def test_the_starlette_app_alone_answers_jobs_as_the_served_app_does(local, live):
+    """``server.asgi`` (what the CLI and ``Server.run`` serve) answers ``POST /v1/jobs`` before Starlette's
+    middleware and router; ``server.app`` (the Starlette app, for those who mount it themselves) through them:
+    the same answers, the same errors."""
+    plain = Live(None, app=live.server.app, lifespan="off")   # (its shutdown must not close the shared server)
+    try:
+        for url in (live.url, plain.url):
+            with ai.remote(url, api_key=KEY) as there:
+                same(_patching(local)[0], _patching(there)[0])
+        answers = []
+        for url in (live.url, plain.url):
+            wrong = httpx.post(f"{url}/v1/jobs", content=b"\x80", headers={"authorization": "Bearer wrong"})
+            bad = httpx.post(f"{url}/v1/jobs", content=b"\xc1", headers={"authorization": f"Bearer {KEY}"})
+            get = httpx.get(f"{url}/v1/jobs", headers={"authorization": f"Bearer {KEY}"})
+            answers.append([(r.status_code, r.content) for r in (wrong, bad, get)])
+        assert answers[0] == answers[1]
+        assert [status for status, _ in answers[0]][:2] == [401, 400]
+    finally:
+        plain.uv.should_exit = True
+        plain.thread.join(15)
+
+
 def test_generation_with_per_step_control_and_a_closure_over_a_list(local, lm):
     boost_at = [0, 2, 3]
     direction = torch.randn(64)

@@ -68,6 +68,7 @@ from ..scheduling.engine_front import front_for
 from ..scheduling.params import BadRequest, MaxLen, ModulePath, Param, Range, Registered, short_repr  # noqa: F401
 from ..workers import confine
 from . import capabilities
+from .direct import DirectJobs
 from ..jobs.event_stream import INTERVENTION_ERRORS, EventStreamResponse, stream_events
 from .metrics import ServerMetrics
 from .reach import JsonFormatter, is_loopback  # noqa: F401 (their home was here)
@@ -196,6 +197,12 @@ class Server:
             self._app = self._build_app()
         return self._app
 
+    @property
+    def asgi(self):
+        """What the server's own uvicorn runs: :attr:`app`, with ``POST /v1/jobs`` (every remote trace) answered
+        before Starlette's middleware and router (:mod:`.direct`)."""
+        return DirectJobs(self.app, jobs_api.endpoint(self))
+
     def _build_app(self):
         # the router tries routes in order: the busiest first (each route tried costs a match per request)
         routes = [
@@ -242,7 +249,7 @@ class Server:
             raise ValueError(f"refusing to bind {host!r}: only loopback addresses unless allow_non_loopback=True "
                              "(and then put TLS and real authentication in front)")
         import uvicorn
-        uvicorn.run(self.app, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
+        uvicorn.run(self.asgi, host=host, port=port, log_level=log_level, access_log=False, **uvicorn_kwargs)
 
     durable = None    # the kept-jobs service (serve/jobs/durable), when jobs are kept (--state-dir / --database)
 

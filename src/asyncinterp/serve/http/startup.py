@@ -234,7 +234,7 @@ def serve_forever(args, model, keys, log) -> int:
     """Build the server over ``model`` and serve it with uvicorn until the process is asked to stop."""
     server = make_server(args, model, keys, log)
     import uvicorn
-    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    config = uvicorn.Config(server.asgi, host=args.host, port=args.port, log_level="warning", access_log=False)
     userver = uvicorn.Server(config)
     log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": server.front.kind,
                                           "host": args.host,

@@ -70,7 +70,13 @@ MSGPACK_STREAM = "application/x-msgpack-stream"
 
 def routes(server) -> list:
     """The routes this module adds to ``server``'s app."""
-    return [Route("/v1/jobs", functools.partial(_jobs, server), methods=["POST"])]
+    return [Route("/v1/jobs", endpoint(server), methods=["POST"])]
+
+
+def endpoint(server):
+    """``POST /v1/jobs`` of ``server``: ``await endpoint(server)(request)`` is its response (every failure
+    included: the handler never raises, see ``Server._guarded``)."""
+    return functools.partial(_jobs, server)
 
 
 def model_versions() -> dict:

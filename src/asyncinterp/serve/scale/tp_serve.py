@@ -192,7 +192,7 @@ def _lead(args, model, keys, channel) -> int:
     for path in args.interventions:
         load_interventions(server, path)
     import uvicorn
-    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    config = uvicorn.Config(server.asgi, host=args.host, port=args.port, log_level="warning", access_log=False)
     log.info("serving", extra={"fields": {"event": "startup", "model": server.name, "engine": "transformers",
                                           "tensor_parallel_size": args.tensor_parallel_size,
                                           "host": args.host, "port": args.port}})
