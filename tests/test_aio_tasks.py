@@ -1,4 +1,5 @@
-"""The event-loop primitives a worker process is built on: tasks beside a main coroutine, quiet cancels, watched calls."""
+"""The event-loop primitives a worker process is built on: tasks beside a main coroutine, quiet cancels, watched
+calls."""
 
 import time
 

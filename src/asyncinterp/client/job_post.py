@@ -62,7 +62,8 @@ class JobPoster:
         while True:     # at most twice: after a dropped connection, the next one is fresh
             conn, reused = self._connection()
             try:
-                _send(conn, self.prefix + path, body, headers)
+                # head and body in one write (OneSegmentConnection)
+                conn.request("POST", self.prefix + path, body=body, headers=headers)
                 return LeanResponse(self, conn, conn.getresponse())
             except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
                 self.drop(conn)
@@ -109,10 +110,6 @@ class JobPoster:
             self.open.discard(conn)
         if getattr(self.local, "conn", None) is conn:
             self.local.conn = None
-
-
-def _send(conn, path: str, body: bytes, headers: dict) -> None:
-    conn.request("POST", path, body=body, headers=headers)
 
 
 class OneSegmentConnection(http.client.HTTPConnection):

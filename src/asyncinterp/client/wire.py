@@ -121,8 +121,8 @@ except ImportError:  # pragma: no cover
     _HAS_NUMPY = False
 
 
-def _bin_header(n: int) -> bytes:
-    """msgpack's header of a bin of ``n`` bytes."""
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of ``n`` bytes (the bytes follow it)."""
     if n < 1 << 8:
         return b"\xc4" + n.to_bytes(1, "big")
     if n < 1 << 16:
@@ -138,7 +138,7 @@ def encode_tensor(t: torch.Tensor) -> msgpack.ExtType:
         raise WireError(f"tensors of dtype {t.dtype} cannot be sent; convert to one of {sorted(DTYPES)}")
     data = _tensor_data(t)
     # msgpack's [name, shape, data] with the element bytes copied once, from the tensor's memory
-    payload = b"".join((b"\x93", msgpack.packb(name), msgpack.packb(list(t.shape)), _bin_header(data.nbytes
+    payload = b"".join((b"\x93", msgpack.packb(name), msgpack.packb(list(t.shape)), bin_header(data.nbytes
                         if isinstance(data, memoryview) else len(data)), data))
     return msgpack.ExtType(EXT_TENSOR, payload)
 
@@ -286,11 +286,6 @@ def array_header(n: int) -> bytes:
     return msgpack.Packer().pack_array_header(n)
 
 
-def bin_header(n: int) -> bytes:
-    """msgpack's header of a bin of ``n`` bytes (the bytes follow it)."""
-    return _bin_header(n)
-
-
 def packb_with(obj: dict, key: str, encoded: bytes) -> bytes:
     """``packb({**obj, key: value})`` where ``encoded`` is ``packb(value)`` already: the value is not encoded
     again (a worker's answer passes through the server this way)."""
@@ -322,7 +317,8 @@ def unpackb(data: bytes, limits: Limits = DEFAULT_LIMITS, _depth: int = 0):
 
     try:
         return msgpack.unpackb(
-            data if isinstance(data, (bytes, bytearray)) else bytes(data), raw=False, use_list=True, strict_map_key=False, ext_hook=ext_hook,
+            data if isinstance(data, (bytes, bytearray)) else bytes(data),   # (a bytearray is read in place)
+            raw=False, use_list=True, strict_map_key=False, ext_hook=ext_hook,
             max_str_len=limits.max_str_len,
             max_bin_len=limits.max_bytes, max_array_len=limits.max_container_items,
             max_map_len=limits.max_container_items, max_ext_len=limits.max_bytes)

@@ -446,7 +446,7 @@ def _outcomes(kind, outcomes) -> list:
 
 def _encoded_outcomes(kind, outcomes) -> bytes:
     """:func:`_outcomes` as the msgpack bytes of their list (each entry encoded once)."""
-    return wire.packb_array([data for _, data in _checked_outcomes(kind, outcomes)])
+    return b"".join(_encoded_outcome_parts(kind, outcomes))
 
 
 def _encoded_outcome_parts(kind, outcomes) -> list:

@@ -29,8 +29,9 @@ not wait for company), ``{"op": "cancel", "id"}``,
 ``{"op": "exit"}``. Worker to server: ``{"t": "ready", "pid", "confined", "threads"}`` (``threads``: the
 process's threads when it started, before its own: 1);
 ``{"t": "batch", "ids"}`` from the batcher's thread just before a batch
-starts (before any of its code runs; for a streamed remote job, also its acceptance) and ``{"t": "batch_end"}`` when it has
-ended; ``{"t": "event", "id", "event"}``
+starts (before any of its code runs; for a streamed remote job, also its
+acceptance) and ``{"t": "batch_end"}`` when it has ended (written with the
+batch's last answer when a job's reply is that answer); ``{"t": "event", "id", "event"}``
 (``token``/``emit``/``restart``, as produced); ``{"t": "done", "id", "ok":
 true, "value"}`` (a generation's ``value`` also carries its log-probabilities,
 see :mod:`.worker_results`) or ``{"t": "done", "id", "ok": false, "status", "error"}``
