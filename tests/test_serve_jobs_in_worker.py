@@ -7,6 +7,7 @@ Everything through a real server (uvicorn, httpx) and real worker processes.
 """
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -115,3 +116,26 @@ def test_code_routed_to_the_worker_for_registered_interventions_is_refused_there
         assert caught.value.status == 500 and caught.value.wire_error["message"] == jobs_api.MISROUTED
     finally:
         server.batcher.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_batchs_end_sent_with_its_last_answer_ends_the_batch_on_the_server(served, model, stream):
+    """A job's answer, when it is its batch's last, carries the batch's end in the same write: the server then
+    holds no batch and no hard deadline for that worker (a deadline left armed would kill an idle worker)."""
+    remote = ai.remote(served.url)
+    try:
+        for _ in range(3):
+            got = remote.trace(PROMPT, last) if stream else None
+            if not stream:
+                r = httpx.post(f"{served.url}/v1/jobs", content=job_body(last, stream=False), timeout=60)
+                assert r.status_code == 200
+                got = wire.unpackb(r.content)["results"][0]["value"]
+            assert torch.allclose(got, model.trace(PROMPT, last), atol=1e-5)
+    finally:
+        remote.close()
+    pool = served.server.batcher.pools["code"]
+    deadline = time.monotonic() + 5
+    while (pool.worker.batch or pool.worker.batch_deadline is not None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.worker.batch == [] and pool.worker.batch_deadline is None and pool.worker.jobs == {}
+    assert pool.worker.proc.is_alive()
