@@ -162,7 +162,7 @@ def test_quotas_answer_429_naming_the_quota(server):
     assert error["type"] == "QuotaExceeded" and error["quota"] == "queued" and "queued" in error["message"]
     with pytest.raises(Exception, match="quota queued exceeded"):
         model.trace("The Eiffel Tower is in", last, blocking=False)
-    for job in (held, *queued):
+    for job in (*reversed(queued), held):   # the queued ones first: none may start (and finish) once held ends
         job.cancel()
     for job in (held, *queued):
         assert job.wait(timeout=30).state == "cancelled"
