@@ -112,8 +112,8 @@ def _bounded(name, args, kwargs) -> bool:
     """Whether the result cannot be larger than ``args[0]``, itself within the cap (no meta run needed)."""
     if not args or type(args[0]) is not PrivateTensor:
         return False
-    if name == "__getitem__":
-        if len(args) != 2 or kwargs or not _basic_index(args[1]):
+    if name == "__getitem__" or name == "__setitem__":   # a view of it, or a write into a view of it (in place)
+        if len(args) != (2 if name == "__getitem__" else 3) or kwargs or not _basic_index(args[1]):
             return False
     elif name not in policy.SIZE_KEEPING or "dtype" in kwargs or "out" in kwargs \
             or any(isinstance(a, (torch.Tensor, torch.dtype)) for a in args[1:]):
@@ -200,8 +200,31 @@ def private_copy(t: torch.Tensor, graph: bool = False):
     """
     with DisableTorchFunction(), torch.inference_mode(False):
         src = t if type(t) is torch.Tensor else plain(t)
-        copy = src.clone() if graph and src.requires_grad and torch.is_grad_enabled() else src.detach().clone()
+        copy = src.clone() if graph and src.requires_grad and torch.is_grad_enabled() else _detached_copy(src)
         return copy, copy.as_subclass(PrivateTensor)
+
+
+_LAZY_CLONE = getattr(torch, "_lazy_clone", None)
+
+
+def _detached_copy(src: torch.Tensor) -> torch.Tensor:
+    """A copy of ``src``, off the graph.
+
+    Copy-on-write where it may be: the copy shares the model's memory until either side writes to it, so reading
+    an awaited value (the usual case) copies nothing, and the first in-place write of either side copies then.
+    It may be where that memory is at most twice what ``src`` shows (a request alone in its forward, or half of
+    a two-row one), so that what submitted code keeps never holds much more than its own rows alive. An
+    ordinary copy otherwise, and for inference tensors (they have no version counter) or memory torch cannot
+    share.
+    """
+    src = src.detach()
+    if _LAZY_CLONE is not None and not src.is_inference() \
+            and src.untyped_storage().nbytes() <= 2 * src.numel() * src.element_size():
+        try:
+            return _LAZY_CLONE(src)
+        except RuntimeError:
+            pass
+    return src.clone()
 
 
 def version_of(t: torch.Tensor) -> int:
