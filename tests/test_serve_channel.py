@@ -11,7 +11,9 @@ import multiprocessing
 import threading
 import time
 
-from asyncinterp.serve.workers.channel import DIRECT_MAX, Channel, Outbox
+import pytest
+
+from asyncinterp.serve.workers.channel import DIRECT_MAX, PIPE_BUFFER, Channel, Outbox, widen
 
 
 def pipe():
@@ -141,3 +143,31 @@ def test_a_message_in_parts_arrives_whole_and_in_order_with_the_others():
     except EOFError:
         pass
     reader.close()
+
+
+def test_a_widened_pipe_takes_a_large_answer_whole_before_its_reader_reads():
+    """A worker's answer (a [1, vocab] tensor is 200 KB) goes into its pipe in one write, without waiting for
+    the server's reader thread to drain it piece by piece."""
+    wmem_max = int(open("/proc/sys/net/core/wmem_max").read())
+    if wmem_max < 2 << 20:
+        pytest.skip(f"this system caps socket buffers at {wmem_max} bytes (net.core.wmem_max)")
+    ours, theirs = multiprocessing.get_context("fork").Pipe(duplex=True)
+    for end in (ours, theirs):
+        widen(end)
+    writer = Channel(theirs)
+    answer = bytes(range(256)) * (4096 if PIPE_BUFFER >= 2 << 20 else 1024)   # 1 MiB (or 256 KiB)
+    done = threading.Event()
+    threading.Thread(target=lambda: (writer.send_parts([answer[:1000], answer[1000:]]), done.set()),
+                     daemon=True).start()
+    assert done.wait(5), "the write waited for the reader"
+    assert Channel(ours)._recv_frame() == answer
+    ours.close()
+    theirs.close()
+
+
+def test_widening_a_one_way_pipe_changes_nothing():
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+    for end in (reader, writer):
+        widen(end)
+    writer.send_bytes(b"still works")
+    assert reader.recv_bytes() == b"still works"

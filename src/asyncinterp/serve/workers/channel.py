@@ -38,6 +38,7 @@ import time
 from ...client import wire
 
 MAX_MESSAGE = 512 << 20      # the largest message either side accepts (a result may hold 256 MiB tensors)
+PIPE_BUFFER = 4 << 20       # what a worker's pipe holds in flight where the system allows it (see widen)
 DIRECT_MAX = 64 << 10        # an Outbox writes a message up to this size from the sending thread when it can
 
 # the server trusts itself: what it sends the worker is decoded with generous limits
@@ -126,6 +127,25 @@ class Channel:
         self.conn.close()
         if self.sock is not None:
             self.sock.close()
+
+
+def widen(conn, size: int = PIPE_BUFFER) -> None:
+    """Let the socket under ``conn`` (one end of a duplex ``multiprocessing`` pipe) hold ``size`` bytes in flight,
+    as far as the system allows (``net.core.wmem_max``): an answer of that size is then written in one call
+    that does not wait for the reader, instead of in pieces, each one a wake-up of the reading process."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:     # not a socket (a one-way os.pipe)
+        return
+    with sock:
+        if sock.family != socket.AF_UNIX:
+            return
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                if sock.getsockopt(socket.SOL_SOCKET, option) < size:
+                    sock.setsockopt(socket.SOL_SOCKET, option, size)
+            except OSError:
+                pass
 
 
 def _read_exactly(fd: int, n: int, at_start: bool = False) -> bytearray:

@@ -25,7 +25,7 @@ from ...client import wire
 from . import worker_results
 from ..scheduling.batcher import BatcherClosed, BatcherFull, GenerateResult
 from ..scheduling.submission import Submission
-from .channel import Channel, Heartbeat, Outbox
+from .channel import Channel, Heartbeat, Outbox, widen
 from ..scheduling.worker_failures import Cause, RemoteFailure, WorkerUnavailable, cause_of_exit, failure_for
 
 log = logging.getLogger("asyncinterp.serve.workers.supervisor")
@@ -414,6 +414,8 @@ class Pool:
         sup = self.sup
         ctx = worker_start.context(sup.server.model)
         parent_end, child_end = ctx.Pipe(duplex=True)
+        for end in (parent_end, child_end):
+            widen(end)
         heartbeat = Heartbeat()
         settings = {"server_pid": os.getpid(), "nice": self.nice, "memory_limit": sup.options.memory_limit,
                     "batcher": dict(sup.batcher_options, name=f"worker-{self.name}"),
