@@ -104,6 +104,36 @@ def test_one_remote_trace_tokenizes_once_and_makes_one_job(lm, live):
     assert counts == {"tokenize": 1, "job": 2}, counts
 
 
+def test_a_jobs_prompts_are_tokenized_together_once_each(lm, live):
+    remote = ai.remote(live.url, api_key=KEY)
+    other = "A second prompt, several tokens longer than the first one"
+
+    async def read(m):
+        return (await m.lm_head.output)[:, -1].clone()
+
+    def three(model):      # two prompts, one of them twice
+        with model.trace() as tr:
+            calls = [tr.invoke(x, read) for x in (PROMPT, other, PROMPT)]
+        return [c.result for c in calls]
+    three(remote)
+    with counting(lm.tokenizer) as counts:
+        got = three(remote)
+    for g, w in zip(got, three(lm)):
+        assert torch.allclose(g, w, atol=1e-5)
+    assert counts == {"tokenize": 1, "job": 2}, counts   # one call of the tokenizer for the job's prompts
+
+    with model_trace_failing(remote) as tr:    # a prompt that cannot run is still named by its invoke
+        tr.invoke(PROMPT, read)
+        tr.invoke("", read)
+
+
+@contextlib.contextmanager
+def model_trace_failing(model):
+    with pytest.raises(Exception, match="invoke 1: input: empty prompt"):
+        with model.trace() as tr:
+            yield tr
+
+
 @pytest.mark.vllm
 def test_one_openai_completion_on_vllm_tokenizes_once_and_makes_params_once(tiny_dir):
     from vllm_helpers import cli_engine

@@ -301,19 +301,21 @@ class Server:
                 raise RequestFailed("request", "keys of the request map must be strings")
         return obj
 
-    def _input(self, value):
+    def _input(self, value, tokenized=None):
         """The checked input and its token count (0 for models without a tokenizer).
 
         A prompt string comes back as its token ids: the one tokenization of the request (the engine, the
-        receipt and the answer's echo take the ids; nothing tokenizes it again)."""
+        receipt and the answer's echo take the ids; nothing tokenizes it again). ``tokenized``: ids of prompts
+        already tokenized together (``{prompt: ids}``, a job's prompts in one call of the tokenizer)."""
         if self.is_lm:
             if isinstance(value, str):
                 if not value:
                     raise RequestFailed("request", "input: empty prompt")
                 if len(value) > self.max_prompt_tokens * 64:
                     raise RequestFailed("request", "input: prompt too long")
+                ids = tokenized.get(value) if tokenized else None
                 try:
-                    ids = list(self.model.tokenizer(value)["input_ids"])
+                    ids = list(self.model.tokenizer(value)["input_ids"]) if ids is None else ids
                 except Exception as exc:  # noqa: BLE001
                     raise RequestFailed("request", f"input: cannot tokenize ({type(exc).__name__})") from None
                 n = len(ids)

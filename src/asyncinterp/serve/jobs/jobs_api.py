@@ -308,6 +308,7 @@ def _checked(server, job) -> JobParts:
     if job.context:
         raise RequestFailed("request", "a job's context does not travel to a server")
     invokes, longest = [], 0
+    tokenized = _tokenized(server, job.invokes)
     for i, spec in enumerate(job.invokes):
         if spec.background:
             raise RequestFailed("request", f"invoke {i}: persistent edits (model.edit) do not run remotely")
@@ -327,7 +328,7 @@ def _checked(server, job) -> JobParts:
             x = None
         else:
             try:
-                x, length = _input(server, spec.input)
+                x, length = _input(server, spec.input, tokenized)
             except RequestFailed as fail:
                 fail.error["message"] = f"invoke {i}: {fail.error['message']}"
                 raise
@@ -380,12 +381,33 @@ def _check_generation_option(key, value, gen) -> None:
                       f"{MAX_STOP_CHARS} characters")
 
 
-def _input(server, value):
+def _tokenized(server, invokes) -> dict:
+    """``{prompt: token ids}`` for the job's prompt strings, tokenized in one call of the tokenizer (each prompt
+    still once; the checks of :meth:`~asyncinterp.serve.http.app.Server._input` run as for any prompt). Empty
+    for fewer than two prompts, or where that call fails: each prompt is then tokenized alone, and the one that
+    fails is named."""
+    if not server.is_lm:
+        return {}
+    prompts = {}
+    for spec in invokes:
+        for value in (spec.input if isinstance(spec.input, list) else [spec.input]):
+            if isinstance(value, str) and value and len(value) <= server.max_prompt_tokens * 64:
+                prompts[value] = None
+    if len(prompts) < 2:
+        return {}
+    try:
+        return dict(zip(prompts, map(list, server.model.tokenizer(list(prompts))["input_ids"])))
+    except Exception:  # noqa: BLE001 - tokenized one by one instead, which reports the prompt that fails
+        return {}
+
+
+def _input(server, value, tokenized=None):
     """An invoke's checked input and its longest row in tokens: what ``/v1/trace`` takes, and for language
     models also what a local invoke takes (docs/language-models.md): a list of prompts, lists of token ids,
-    an integer tensor of ids (1-D or 2-D), a tokenizer output (``input_ids`` and ``attention_mask``)."""
+    an integer tensor of ids (1-D or 2-D), a tokenizer output (``input_ids`` and ``attention_mask``).
+    ``tokenized``: the job's prompts tokenized together (:func:`_tokenized`)."""
     if not server.is_lm or isinstance(value, str):
-        return server.check_input(value)
+        return server.check_input(value, tokenized)
     if isinstance(value, dict):
         extra = set(value) - {"input_ids", "attention_mask"}
         if extra or "input_ids" not in value:
@@ -411,9 +433,9 @@ def _input(server, value):
     if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
         if len(value) > server.batcher.max_batch:
             raise RequestFailed("too_large", f"input: {len(value)} rows exceed max_batch={server.batcher.max_batch}")
-        checked = [server.check_input(v) for v in value]
+        checked = [server.check_input(v, tokenized) for v in value]
         return [x for x, _ in checked], max(n for _, n in checked)
-    return server.check_input(value)
+    return server.check_input(value, tokenized)
 
 
 def _rows(x) -> int:
