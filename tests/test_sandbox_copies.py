@@ -108,15 +108,19 @@ def test_a_private_copy_and_its_source_do_not_see_each_others_writes():
 
 
 def test_a_copy_of_an_inference_tensor_is_an_ordinary_tensor_whose_edits_are_seen():
-    with torch.inference_mode():
-        t = torch.randn(2, 3)
-    copied, private = private_copy(t)
-    assert not copied.is_inference()
-    v = version_of(private)
-    with torch._C.DisableTorchFunctionSubclass():
-        private.zero_()
-    assert version_of(private) != v
-    assert (t != 0).all()
+    for copied_in_inference_mode in (False, True):      # (vLLM's hooks fire under inference mode)
+        with torch.inference_mode():
+            t = torch.randn(2, 3)
+            if copied_in_inference_mode:
+                copied, private = private_copy(t)
+        if not copied_in_inference_mode:
+            copied, private = private_copy(t)
+        assert not copied.is_inference()
+        v = version_of(private)
+        with torch._C.DisableTorchFunctionSubclass():
+            private.zero_()
+        assert version_of(private) != v
+        assert (t != 0).all()
 
 
 def test_a_copy_of_a_few_rows_of_a_large_batch_holds_only_those_rows():

@@ -9,6 +9,8 @@ server tensors into private copies and back.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...client import policy
@@ -198,10 +200,13 @@ def private_copy(t: torch.Tensor, graph: bool = False):
     of a tensor that requires grad stays connected to the graph (the model then continues with it, see
     :meth:`.driver.TaskState.flush`); otherwise it is detached.
     """
-    with DisableTorchFunction(), torch.inference_mode(False):
+    with DisableTorchFunction(), (torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING):
         src = t if type(t) is torch.Tensor else plain(t)
         copy = src.clone() if graph and src.requires_grad and torch.is_grad_enabled() else _detached_copy(src)
         return copy, copy.as_subclass(PrivateTensor)
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 _LAZY_CLONE = getattr(torch, "_lazy_clone", None)
