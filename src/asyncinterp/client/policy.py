@@ -258,8 +258,8 @@ TEXT_SAFE_TYPES = (str, bytes, int, float, complex, bool, type(None), torch.dtyp
 # What the model hands submitted code (awaited values, gather/spawn results, ad-hoc call results, m.generated) is
 # a private copy of the request's own rows: tensors (PrivateTensor), numbers, strings, and tuples/lists/dicts of
 # them (dicts with attribute access for the OUTPUT_FIELDS); any other object, the KV cache first, becomes None.
-# (A copy may share memory with the model until either side writes, copy-on-write, where that memory is at most
-# twice the rows it shows: never reachable but through the raw-storage operations refused below.)
+# (A copy on the CPU may share memory with the model until either side writes, copy-on-write, where that memory
+# is at most twice the rows it shows: never reachable but through the raw-storage operations refused below.)
 # What goes into the model (assignment, replace/set, skip, in-place edits of those copies) must be a tensor with
 # the shape, dtype and device of the value it replaces, and finite. What leaves (the result, emit) may only be
 # tensors, numbers, strings, bytes and containers of them.

@@ -219,11 +219,12 @@ def _detached_copy(src: torch.Tensor) -> torch.Tensor:
     an awaited value (the usual case) copies nothing, and the first in-place write of either side copies then.
     It may be where that memory is at most twice what ``src`` shows (a request alone in its forward, or half of
     a two-row one), so that what submitted code keeps never holds much more than its own rows alive. An
-    ordinary copy otherwise, and for inference tensors (they have no version counter) or memory torch cannot
-    share.
+    ordinary copy otherwise: for inference tensors (they have no version counter), for memory torch cannot share,
+    and off the CPU (where a copy costs little, and a copy made later, when a side writes, would be made outside
+    the stream that writes).
     """
     src = src.detach()
-    if _LAZY_CLONE is not None and not src.is_inference() \
+    if _LAZY_CLONE is not None and src.device.type == "cpu" and not src.is_inference() \
             and src.untyped_storage().nbytes() <= 2 * src.numel() * src.element_size():
         try:
             return _LAZY_CLONE(src)
