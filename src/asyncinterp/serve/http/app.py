@@ -315,7 +315,7 @@ class Server:
                     raise RequestFailed("request", "input: prompt too long")
                 ids = tokenized.get(value) if tokenized else None
                 try:
-                    ids = list(self.model.tokenizer(value)["input_ids"]) if ids is None else ids
+                    ids = list(self.model.tokenizer(value)["input_ids"] if ids is None else ids)   # (a list of its own)
                 except Exception as exc:  # noqa: BLE001
                     raise RequestFailed("request", f"input: cannot tokenize ({type(exc).__name__})") from None
                 n = len(ids)
