@@ -198,6 +198,11 @@ class Server:
         return self._app
 
     @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt string tokenized at all (longer ones are refused before the tokenizer sees them)."""
+        return self.max_prompt_tokens * 64
+
+    @property
     def asgi(self):
         """What the server's own uvicorn runs: :attr:`app`, with ``POST /v1/jobs`` (every remote trace) answered
         before Starlette's middleware and router (:mod:`.direct`)."""
@@ -311,7 +316,7 @@ class Server:
             if isinstance(value, str):
                 if not value:
                     raise RequestFailed("request", "input: empty prompt")
-                if len(value) > self.max_prompt_tokens * 64:
+                if len(value) > self.max_prompt_chars:
                     raise RequestFailed("request", "input: prompt too long")
                 ids = tokenized.get(value) if tokenized else None
                 try:

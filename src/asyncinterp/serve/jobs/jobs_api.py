@@ -391,7 +391,7 @@ def _tokenized(server, invokes) -> dict:
     prompts = {}
     for spec in invokes:
         for value in (spec.input if isinstance(spec.input, list) else [spec.input]):
-            if isinstance(value, str) and value and len(value) <= server.max_prompt_tokens * 64:
+            if isinstance(value, str) and value and len(value) <= server.max_prompt_chars:
                 prompts[value] = None
     if len(prompts) < 2:
         return {}
