@@ -15,32 +15,21 @@ from asyncinterp.serve.sandbox.rebuild_sandbox import Sandboxed
 from asyncinterp.serve.sandbox.tensors import private_copy, version_of
 
 
-class Residual(nn.Module):
-    """``l0``'s output is read again at the end (``z + y``), after ``act`` rewrote a copy of it in place."""
+class Net(nn.Module):
+    """``l0``'s output is rewritten in place (``ReLU(inplace=True)``) right after its hook point; with
+    ``residual``, the ReLU rewrites a copy and ``l0``'s output is read again at the end (``z + y``)."""
 
-    def __init__(self):
+    def __init__(self, residual: bool = False):
         super().__init__()
+        self.residual = residual
         self.l0 = nn.Linear(8, 8)
         self.act = nn.ReLU(inplace=True)
         self.l1 = nn.Linear(8, 8)
 
     def forward(self, x):
         y = self.l0(x)
-        z = self.l1(self.act(y.clone()))
-        return z + y
-
-
-class InPlace(nn.Module):
-    """``l0``'s output is rewritten in place (``ReLU(inplace=True)``) right after its hook point."""
-
-    def __init__(self):
-        super().__init__()
-        self.l0 = nn.Linear(8, 8)
-        self.act = nn.ReLU(inplace=True)
-        self.l1 = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.l1(self.act(self.l0(x)))
+        z = self.l1(self.act(y.clone() if self.residual else y))
+        return z + y if self.residual else z
 
 
 def _sandboxed(model, fn, x):
@@ -63,7 +52,7 @@ async def snapshot_then_inplace_relu(m):
 
 def test_an_awaited_value_stays_what_it_was_when_the_model_writes_it_in_place_later():
     torch.manual_seed(0)
-    net = InPlace()
+    net = Net()
     model = ai.wrap(net)
     x = torch.randn(4, 8)
     with torch.no_grad():
@@ -83,7 +72,7 @@ async def edit_after_the_point(m):
 
 def test_an_edit_of_the_copy_after_its_point_never_reaches_the_model():
     torch.manual_seed(1)
-    net = Residual()
+    net = Net(residual=True)
     model = ai.wrap(net)
     x = torch.randn(3, 8)
     with torch.no_grad():
