@@ -204,6 +204,29 @@ def test_write_back_is_checked(live, solos, body, match):
     refused_at_call(live, solos, src, match)
 
 
+LATE_EDIT = HEAD + """
+async def f(m):
+    h = await m.transformer.h[0].output
+    await m.transformer.h[1].attn.output
+    h.fill_(1e4)      # past h's point, before block 1 adds h (its residual) again: the copy takes it, the model not
+    out = await m.lm_head.output
+    return out[:, -1].clone(), h[:, -1, :4].clone()
+"""
+
+
+def test_an_awaited_copy_edited_after_its_point_changes_nothing_alone_or_batched(live, model, solos):
+    """Alone in its forward, the copy shares the model's memory until a side writes (copy-on-write); batched with
+    the innocents, it is an ordinary copy of its row. Either way the late edit stays in the copy."""
+    want = model.trace(PROMPTS[0], last)
+    with Client(live.url, api_key=KEY, timeout=60) as c:
+        alone = c.trace(PROMPTS[0], LATE_EDIT)
+    batched = attack(live, solos, LATE_EDIT)
+    for logits, h in (alone, batched):
+        assert torch.allclose(logits, want, atol=1e-5)
+        assert torch.equal(h, torch.full((1, 4), 1e4))
+    assert torch.equal(model.trace(PROMPTS[0], last), want)
+
+
 # --------------------------------------------------------------------------- 3. other users' prompts
 @pytest.mark.parametrize("body, match", [
     ("return torch.as_strided_copy(ids, (64,), (1,))", "'as_strided_copy'"),
