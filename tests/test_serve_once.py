@@ -21,6 +21,7 @@ from test_serve_http import Live
 from vllm_helpers import tiny_dir  # noqa: F401 - fixtures are found by name
 
 KEY = "once"
+OTHER_KEY = "another tenant"
 PROMPT = "The quick brown fox jumps over the"
 
 
@@ -75,7 +76,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def live(lm):
-    srv = Live(Server(lm, api_keys=[KEY], allow_code=True))
+    srv = Live(Server(lm, api_keys=[KEY, OTHER_KEY], allow_code=True))
     yield srv
     srv.close()
 
@@ -106,6 +107,7 @@ def test_one_remote_trace_tokenizes_once_and_makes_one_job(lm, live):
 
 def test_a_jobs_prompts_are_tokenized_together_once_each(lm, live):
     remote = ai.remote(live.url, api_key=KEY)
+    first = "A first prompt of this test, never sent before"
     other = "A second prompt, several tokens longer than the first one"
 
     async def read(m):
@@ -113,9 +115,8 @@ def test_a_jobs_prompts_are_tokenized_together_once_each(lm, live):
 
     def three(model):      # two prompts, one of them twice
         with model.trace() as tr:
-            calls = [tr.invoke(x, read) for x in (PROMPT, other, PROMPT)]
+            calls = [tr.invoke(x, read) for x in (first, other, first)]
         return [c.result for c in calls]
-    three(remote)
     with counting(lm.tokenizer) as counts:
         got = three(remote)
     for g, w in zip(got, three(lm)):
@@ -125,6 +126,36 @@ def test_a_jobs_prompts_are_tokenized_together_once_each(lm, live):
     with model_trace_failing(remote) as tr:    # a prompt that cannot run is still named by its invoke
         tr.invoke(PROMPT, read)
         tr.invoke("", read)
+
+
+def test_a_tenants_prompts_are_kept_for_it_alone(lm, live):
+    """A sweep sends its prompts again: the server keeps their ids for the tenant that sent them (no tokenizer
+    call the second time), never for another tenant, who would learn from the timing that they were sent."""
+    mine, theirs = ai.remote(live.url, api_key=KEY), ai.remote(live.url, api_key=OTHER_KEY)
+    prompts = ("A sweep's first prompt, sent again and again", "and its second, a few tokens longer than that")
+
+    async def read(m):
+        return (await m.lm_head.output)[:, -1].clone()
+
+    def both(model):
+        with model.trace() as tr:
+            calls = [tr.invoke(x, read) for x in prompts]
+        return [c.result for c in calls]
+    want = both(lm)
+    for name, who, calls in (("mine", mine, 1), ("mine", mine, 0), ("mine", mine, 0), ("theirs", theirs, 1),
+                             ("theirs", theirs, 0)):
+        with counting(lm.tokenizer) as counts:
+            got = both(who)
+        assert counts == {"tokenize": calls, "job": 2}, (name, counts)
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-5)
+    with counting(lm.tokenizer) as counts:     # one prompt kept, one new: only the new one is tokenized
+        with mine.trace() as tr:
+            kept = tr.invoke(prompts[0], read)
+            new = tr.invoke("a prompt this tenant never sent", read)
+    assert counts == {"tokenize": 1, "job": 2}, counts
+    assert torch.allclose(kept.result, want[0], atol=1e-5)
+    assert torch.allclose(new.result, lm.trace("a prompt this tenant never sent", read), atol=1e-5)
 
 
 @contextlib.contextmanager
@@ -188,7 +219,7 @@ async def read_counters(m):
 
 def test_a_remote_trace_under_process_isolation_is_read_and_tokenized_once_in_its_worker(lm):
     from asyncinterp.serve.workers.supervisor import ProcessIsolation
-    server = Server(lm, api_keys=[KEY], allow_code=True, isolation=ProcessIsolation(code_worker=False))
+    server = Server(lm, api_keys=[KEY, OTHER_KEY], allow_code=True, isolation=ProcessIsolation(code_worker=False))
     server.intervention("install_counters")(install_counters)
     server.intervention("read_counters")(read_counters)
     srv = Live(server)
@@ -209,5 +240,13 @@ def test_a_remote_trace_under_process_isolation_is_read_and_tokenized_once_in_it
         assert here == {"tokenize": 0, "job": 1}, here
         # (the reading request's own batch is a Job too, made before its intervention reads the counts)
         assert there == {"tokenize": 1, "job": 1 + 1}, there
+        # the worker keeps the prompt's ids for the tenant that sent it (the server tells it the job's owner)
+        theirs = ai.remote(srv.url, api_key=OTHER_KEY)
+        for who, calls in ((remote, 0), (theirs, 1), (theirs, 0)):
+            with ai.serve.Client(srv.url, api_key=KEY, timeout=60) as client:
+                client.trace("warm up", "install_counters")
+                assert torch.allclose(who.trace(PROMPT, read), lm.trace(PROMPT, read), atol=1e-5)
+                there = client.trace("x", "read_counters")
+            assert there == {"tokenize": calls, "job": 1 + 1}, (who is remote, there)
     finally:
         srv.close()

@@ -39,7 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ... import aio
-from . import errors, owners
+from . import errors, owners, prompt_ids
 from ...client import wire
 from ...client.cache_wire import recorded_of
 from .errors import RequestFailed
@@ -105,7 +105,8 @@ async def _jobs(server, request):
         # a small job is checked here (a source seen before is checked once per process: well under a
         # millisecond); a large one in a thread, so that the event loop (health checks, other requests) stays free
         job = await load_job_async(server, data, sandbox, timeout)
-        checked = _checked(server, job)
+        owner = owners.owner(server, request)
+        checked = _checked(server, job, owner)
         fields.update(kind=job.kind, invokes=len(checked.invokes), intervention="job")
         meter = on_cancel = None
         if sandbox is not None:
@@ -113,7 +114,7 @@ async def _jobs(server, request):
 
             def on_cancel():
                 sandbox.clock.cancelled = True
-        envelope = Envelope(owners.owner(server, request), meter, timeout, None, on_cancel)
+        envelope = Envelope(owner, meter, timeout, None, on_cancel)
         if stream:
             try:
                 events = server.batcher.events(server.batcher.start(checked, envelope, stream=True))
@@ -201,7 +202,7 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
         if runs_code else None
     job = _load(server, msg["job"], sandbox, timeout, None if runs_code or not server.allow_code else MISROUTED)
-    checked = _checked(server, job)
+    checked = _checked(server, job, msg.get("owner"))
     meter = sandbox.clock if sandbox is not None else Meter()
     worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
     on_cancel = None
@@ -293,9 +294,10 @@ async def load_job_async(server, data, sandbox, timeout):
     return await aio.to_thread(_load, server, data, sandbox, timeout)
 
 
-def _checked(server, job) -> JobParts:
+def _checked(server, job, owner=None) -> JobParts:
     """The job as the front takes it (:meth:`~asyncinterp.serve.scheduling.batcher.Batcher.start`): every invoke's
-    input checked (prompts tokenized), the job's options refused or kept (a generation's, with max_new_tokens)."""
+    input checked (prompts tokenized, or their ids kept for ``owner``: :func:`_tokenized`), the job's options
+    refused or kept (a generation's, with max_new_tokens)."""
     n = len(job.invokes)
     max_batch = server.batcher.max_batch
     if n == 0:
@@ -308,7 +310,7 @@ def _checked(server, job) -> JobParts:
     if job.context:
         raise RequestFailed("request", "a job's context does not travel to a server")
     invokes, longest = [], 0
-    tokenized = _tokenized(server, job.invokes)
+    tokenized = _tokenized(server, job.invokes, owner)
     for i, spec in enumerate(job.invokes):
         if spec.background:
             raise RequestFailed("request", f"invoke {i}: persistent edits (model.edit) do not run remotely")
@@ -381,11 +383,12 @@ def _check_generation_option(key, value, gen) -> None:
                       f"{MAX_STOP_CHARS} characters")
 
 
-def _tokenized(server, invokes) -> dict:
-    """``{prompt: token ids}`` for the job's prompt strings, tokenized in one call of the tokenizer (each prompt
-    still once; the checks of :meth:`~asyncinterp.serve.http.app.Server._input` run as for any prompt). Empty
-    for fewer than two prompts, or where that call fails: each prompt is then tokenized alone, and the one that
-    fails is named."""
+def _tokenized(server, invokes, owner=None) -> dict:
+    """``{prompt: token ids}`` for the job's prompt strings: those its ``owner`` sent before as they were kept
+    (:mod:`.prompt_ids`; ``owner=None``: none kept), the others tokenized in one call of the tokenizer (each
+    prompt still once; the checks of :meth:`~asyncinterp.serve.http.app.Server._input` run as for any prompt).
+    A prompt left out (one alone and nothing kept, or where that call fails) is tokenized alone, and the one
+    that fails is named."""
     if not server.is_lm:
         return {}
     prompts = {}
@@ -393,12 +396,24 @@ def _tokenized(server, invokes) -> dict:
         for value in (spec.input if isinstance(spec.input, list) else [spec.input]):
             if isinstance(value, str) and value and len(value) <= server.max_prompt_chars:
                 prompts[value] = None
-    if len(prompts) < 2:
-        return {}
+    kept = prompt_ids.of(server.model.tokenizer) if owner is not None and prompts else None
+    found = {}
+    if kept is not None:
+        for prompt in prompts:
+            ids = kept.get(owner, prompt)
+            if ids is not None:
+                found[prompt] = ids
+    missing = [p for p in prompts if p not in found]
+    if not missing or (kept is None and len(missing) < 2):
+        return found
     try:
-        return dict(zip(prompts, map(list, server.model.tokenizer(list(prompts))["input_ids"])))
+        made = dict(zip(missing, map(list, server.model.tokenizer(missing)["input_ids"])))
     except Exception:  # noqa: BLE001 - tokenized one by one instead, which reports the prompt that fails
-        return {}
+        return found
+    if kept is not None:
+        for prompt, ids in made.items():
+            kept.put(owner, prompt, ids)
+    return {**found, **made}
 
 
 def _input(server, value, tokenized=None):

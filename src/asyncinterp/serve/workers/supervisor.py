@@ -327,7 +327,8 @@ class Supervisor(aio.Closable):
         timeout = float(self.server.timeout if timeout is None else timeout)
         pool = self.pools["code" if code and "code" in self.pools else "trusted"]
         guard = 3 * timeout + 4 * self.options.hang_timeout + 60.0
-        sub = Submission.for_worker("job", {"job": data, "stream": stream}, timeout=timeout,
+        # (its owner: the worker keeps the ids of its prompts for it alone, see jobs.prompt_ids)
+        sub = Submission.for_worker("job", {"job": data, "stream": stream, "owner": owner}, timeout=timeout,
                                     code_budget=min(self.server.code_budget, timeout) if code else 0.0, guard=guard,
                                     stream=stream, envelope=Envelope(owner, None, timeout))
         arrived()   # before it is sent: in the worker it is on its way until submitted there (Worker._arriving)
