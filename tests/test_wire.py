@@ -239,3 +239,28 @@ def test_packb_refuses_dict_keys_that_are_not_str_or_int_at_any_depth():
             with pytest.raises(WireError, match="dict keys must be str or int"):
                 wire.packb(value)
     assert wire.unpackb(wire.packb({3: "x", "y": [1, {4: None}]})) == {3: "x", "y": [1, {4: None}]}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values)
+def test_packb_parts_join_to_packb_exactly(value):
+    """A worker writes its answer in parts (packb_parts): joined, they are byte for byte what packb writes."""
+    from asyncinterp.client import wire as client_wire
+    assert b"".join(client_wire.packb_parts(value)) == client_wire.packb(value)
+
+
+def test_packb_parts_hand_out_a_tensors_memory_without_copying_it():
+    from asyncinterp.client import wire as client_wire
+    big = torch.randn(1, 50257)
+    # scalar and small payloads that make msgpack pick a fixext (16 bytes), ext8 and ext16 header; a view
+    for t in (big, torch.tensor(1.5), torch.ones(3, dtype=torch.int8), torch.arange(100.0), big[:, ::2],
+              torch.empty(0, 3)):
+        value = {"ok": True, "value": t, "more": [t, {"x": t}], "in a tuple": (t, 1)}
+        parts = client_wire.packb_parts(value)
+        assert b"".join(parts) == client_wire.packb(value)
+        assert _same(wire.unpackb(b"".join(parts)), value)
+    views = [p for p in client_wire.packb_parts({"value": big}) if isinstance(p, memoryview) and len(p) == 4 * 50257]
+    assert len(views) == 1
+    assert torch.frombuffer(views[0], dtype=torch.float32).data_ptr() == big.data_ptr()   # its memory, not a copy
+    with pytest.raises(WireError, match="cannot be sent"):
+        client_wire.packb_parts({"value": torch.ones(2, dtype=torch.float8_e4m3fn)})

@@ -136,11 +136,17 @@ def encode_tensor(t: torch.Tensor) -> msgpack.ExtType:
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise WireError(f"tensors of dtype {t.dtype} cannot be sent; convert to one of {sorted(DTYPES)}")
-    data = _tensor_data(t)
+    head, data = _tensor_parts(t, name)
     # msgpack's [name, shape, data] with the element bytes copied once, from the tensor's memory
-    payload = b"".join((b"\x93", msgpack.packb(name), msgpack.packb(list(t.shape)), bin_header(data.nbytes
-                        if isinstance(data, memoryview) else len(data)), data))
-    return msgpack.ExtType(EXT_TENSOR, payload)
+    return msgpack.ExtType(EXT_TENSOR, b"".join((head, data)))
+
+
+def _tensor_parts(t: torch.Tensor, name: str):
+    """``(head, data)``: the ext payload of :func:`encode_tensor` is their join; ``data`` the elements' bytes (a
+    view of the tensor's memory where it allows one)."""
+    data = _tensor_data(t)
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    return b"".join((b"\x93", msgpack.packb(name), msgpack.packb(list(t.shape)), bin_header(size))), data
 
 
 def _split_tensor_payload(payload: bytes):
@@ -230,8 +236,9 @@ def _default(obj):
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})   # values msgpack takes as they are
 
 
-def _prepare(obj, depth=0):
-    """Turn tuples into ext 2 before msgpack sees them (msgpack would make them lists)."""
+def _prepare(obj, depth=0, encode=None):
+    """Turn tuples into ext 2 before msgpack sees them (msgpack would make them lists). ``encode(tensor)``: the
+    ext of a tensor outside tuples (:func:`encode_tensor` if not given; see :func:`packb_parts`)."""
     if depth > MAX_DEPTH:
         raise WireError(f"value nested deeper than {MAX_DEPTH} levels")
     kind = type(obj)
@@ -239,21 +246,21 @@ def _prepare(obj, depth=0):
         return obj
     if depth < MAX_DEPTH:   # the common containers, their plain items taken as they are (one call less per item)
         if kind is dict:
-            return {(k if type(k) is str else _key(k)): (v if type(v) in _PLAIN else _prepare(v, depth + 1))
+            return {(k if type(k) is str else _key(k)): (v if type(v) in _PLAIN else _prepare(v, depth + 1, encode))
                     for k, v in obj.items()}
         if kind is list:
-            return [v if type(v) in _PLAIN else _prepare(v, depth + 1) for v in obj]
+            return [v if type(v) in _PLAIN else _prepare(v, depth + 1, encode) for v in obj]
     if isinstance(obj, (str, bytes, int, float, bool)):
         return obj
     if isinstance(obj, torch.Tensor):
-        return encode_tensor(obj)
-    if isinstance(obj, tuple):
+        return (encode or encode_tensor)(obj)
+    if isinstance(obj, tuple):   # (its items are packed into its ext's payload here: their tensors whole)
         return msgpack.ExtType(EXT_TUPLE, _pack([_prepare(v, depth + 1) for v in obj]))
     if isinstance(obj, list):
-        return [_prepare(v, depth + 1) for v in obj]
+        return [_prepare(v, depth + 1, encode) for v in obj]
     if isinstance(obj, dict):
-        return {_key(k): _prepare(v, depth + 1) for k, v in obj.items()}
-    return _prepare(_default(obj), depth + 1)
+        return {_key(k): _prepare(v, depth + 1, encode) for k, v in obj.items()}
+    return _prepare(_default(obj), depth + 1, encode)
 
 
 def _key(k):
@@ -274,6 +281,52 @@ def _pack(obj) -> bytes:
 def packb(obj) -> bytes:
     """Encode ``obj`` (tensors, tuples, nested containers) to msgpack bytes."""
     return _pack(_prepare(obj))
+
+
+def packb_parts(obj) -> list:
+    """:func:`packb` in parts that follow one another (their join is its bytes), each tensor's elements a view of
+    its memory, not a copy: a worker writes a large answer out this way (``Channel.send_parts``), copied once,
+    by the kernel. The tensors must not change until the parts are written."""
+    tensors = []
+    token = os.urandom(12)
+
+    def placeholder(t):   # an ext of 16 bytes no client value holds (a random token), replaced below
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        name = _DTYPE_NAMES.get(t.dtype)
+        if name is None:
+            return encode_tensor(t)   # (raises the error that names the dtypes)
+        marker = token + len(tensors).to_bytes(4, "big")
+        tensors.append((marker, *_tensor_parts(t, name)))
+        return msgpack.ExtType(EXT_TENSOR, marker)
+
+    packed = _pack(_prepare(obj, 0, placeholder))
+    if not tensors:
+        return [packed]
+    view, parts, at = memoryview(packed), [], 0
+    for marker, head, data in tensors:   # in the order msgpack wrote them (it keeps the order of maps and lists)
+        where = packed.find(_FIXEXT16_TENSOR + marker, at)
+        if where < 0:   # (cannot happen: each placeholder is written once) the plain way, copied
+            return [packb(obj)]
+        parts += [view[at:where], _ext_header(len(head) + len(data), EXT_TENSOR), head, data]
+        at = where + len(_FIXEXT16_TENSOR) + len(marker)
+    parts.append(view[at:])
+    return parts
+
+
+_FIXEXT16_TENSOR = b"\xd8" + EXT_TENSOR.to_bytes(1, "big")
+_FIXEXT = {1: b"\xd4", 2: b"\xd5", 4: b"\xd6", 8: b"\xd7", 16: b"\xd8"}
+
+
+def _ext_header(n: int, code: int) -> bytes:
+    """msgpack's header of an ext of ``n`` bytes of type ``code``, as msgpack writes it."""
+    if n in _FIXEXT:
+        return _FIXEXT[n] + code.to_bytes(1, "big")
+    if n < 1 << 8:
+        return b"\xc7" + n.to_bytes(1, "big") + code.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc8" + n.to_bytes(2, "big") + code.to_bytes(1, "big")
+    return b"\xc9" + n.to_bytes(4, "big") + code.to_bytes(1, "big")
 
 
 def packb_array(encoded) -> bytes:

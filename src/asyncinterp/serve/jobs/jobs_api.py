@@ -487,20 +487,22 @@ def _encoded_outcomes(kind, outcomes) -> bytes:
 
 
 def _encoded_outcome_parts(kind, outcomes) -> list:
-    """:func:`_encoded_outcomes` in parts that follow one another (written out without being joined)."""
-    entries = [data for _, data in _checked_outcomes(kind, outcomes)]
-    return [wire.array_header(len(entries)), *entries]
+    """:func:`_encoded_outcomes` in parts that follow one another (written out without being joined; a result
+    tensor's elements are a view of its memory: :func:`~asyncinterp.client.wire.packb_parts`)."""
+    entries = [parts for _, parts in _checked_outcomes(kind, outcomes)]
+    return [wire.array_header(len(entries)), *(part for parts in entries for part in parts)]
 
 
 def _checked_outcomes(kind, outcomes):
+    """``(entry, its encoding in parts)`` for each outcome; an entry that cannot be encoded becomes its error."""
     for ok, value in outcomes:
         entry = _outcome(kind, ok, value)
         try:
-            data = wire.packb(entry)
+            parts = wire.packb_parts(entry)
         except wire.WireError as exc:
             entry = _outcome(kind, False, exc)
-            data = wire.packb(entry)
-        yield entry, data
+            parts = [wire.packb(entry)]
+        yield entry, parts
 
 
 def _answer(kind, outcomes) -> Response:
