@@ -207,8 +207,7 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
         raise WireError(f"tensor of dtype {name} and shape {shape} needs {numel * itemsize} bytes, got {len(data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 # --------------------------------------------------------------------------- values
