@@ -47,10 +47,14 @@ _BY_TOKENIZER = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def of(tokenizer) -> PromptIds:
-    """The kept ids of ``tokenizer``'s prompts (one :class:`PromptIds` per tokenizer object, gone with it)."""
+def of(tokenizer) -> PromptIds | None:
+    """The kept ids of ``tokenizer``'s prompts (one :class:`PromptIds` per tokenizer object, gone with it);
+    ``None`` for a tokenizer that cannot be weakly referenced or hashed (its prompts are then not kept)."""
     with _lock:
-        kept = _BY_TOKENIZER.get(tokenizer)
-        if kept is None:
-            kept = _BY_TOKENIZER[tokenizer] = PromptIds()
+        try:
+            kept = _BY_TOKENIZER.get(tokenizer)
+            if kept is None:
+                kept = _BY_TOKENIZER[tokenizer] = PromptIds()
+        except TypeError:
+            return None
         return kept
