@@ -73,6 +73,10 @@ class WorkerHandle:
         self.heartbeat.close()
 
 
+#: the messages whose handling wakes the server's event loop (an answer, an event, a job's acceptance)
+_HANDED_TO_LOOP = frozenset({"done", "event", "batch"})
+
+
 def reap(proc, timeout: float) -> None:
     """Wait until ``proc`` has exited (and is collected), at most ``timeout`` seconds.
 
@@ -221,6 +225,10 @@ class Pool:
                     if not self._on_message(w, msg):
                         why = f"sent an invalid message ({str(msg)[:200]})"
                         break
+                if msg.get("t") in _HANDED_TO_LOOP:
+                    # the event loop was just woken for it: let it take the GIL now (it would wait while this
+                    # thread reads and applies the next message, e.g. the batch_end that came in the same write)
+                    time.sleep(0)
         except EOFError:
             pass
         except (OSError, wire.WireError, ValueError) as exc:
