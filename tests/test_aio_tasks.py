@@ -112,3 +112,57 @@ def test_run_watched_reports_the_first_to_end(backend):
     assert (first.stopped, first.value) == (False, 7)
     assert second.stopped and second.value is None
     assert third.stopped or third.value == 7
+
+
+def test_readiness_is_readable_when_the_pipe_has_data_and_ends_when_told():
+    import os
+    read_end, write_end = os.pipe()
+    seen = []
+    try:
+        async def main(start):
+            ready = aio.Readiness(read_end)
+
+            async def writer():
+                await anyio.sleep(0.02)
+                os.write(write_end, b"x")
+
+            start(writer)
+            seen.append(await ready.wait())       # the write wakes it
+            assert os.read(read_end, 1) == b"x"
+
+            async def ender():
+                await anyio.sleep(0.02)
+                ready.end()
+
+            start(ender)
+            t0 = time.monotonic()
+            seen.append(await ready.wait())       # nothing to read: end() ends the wait
+            seen.append(time.monotonic() - t0 < 2)
+            ready.end()                           # ending when nobody waits is harmless
+            start(writer)
+            seen.append(await ready.wait())       # and it waits again afterwards
+
+        aio.run_with_tasks(main)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert seen == [True, False, True, True]
+
+
+def test_a_cancelled_wait_for_readiness_leaves_no_reader_behind():
+    import asyncio
+    import os
+    read_end, write_end = os.pipe()
+    try:
+        async def main(start):
+            ready = aio.Readiness(read_end)
+            with anyio.move_on_after(0.02):
+                await ready.wait()
+            assert not asyncio.get_running_loop().remove_reader(read_end)   # removed when the wait ended
+            os.write(write_end, b"x")
+            assert await ready.wait() is True
+
+        aio.run_with_tasks(main)
+    finally:
+        os.close(read_end)
+        os.close(write_end)

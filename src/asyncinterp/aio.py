@@ -251,6 +251,38 @@ def cancel_quietly(scope) -> None:
         scope.cancel()
 
 
+class Readiness:
+    """Wait until descriptor ``fd`` has something to read, or until :meth:`end` (from this loop) ends the wait:
+    one future and one reader registration, no cancel scope and no cancellation (asyncio only). A worker
+    process waits on its pipe this way while requests are live, once per message, as their forwards start."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._fut = None
+
+    async def wait(self) -> bool:
+        """``True``: readable; ``False``: :meth:`end` was called."""
+        import asyncio
+        loop = asyncio.get_running_loop()
+        fut = self._fut = loop.create_future()
+        loop.add_reader(self.fd, _resolve, fut, True)
+        try:
+            return await fut
+        finally:
+            loop.remove_reader(self.fd)
+            self._fut = None
+
+    def end(self) -> None:
+        fut = self._fut
+        if fut is not None:
+            _resolve(fut, False)
+
+
+def _resolve(fut, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
 def run_with_tasks(main) -> None:
     """Run ``await main(start)`` in a new asyncio event loop in this thread, until it and its tasks return.
 
@@ -309,5 +341,5 @@ def cancel_scope():
     return anyio.CancelScope()
 
 
-__all__ = ["LoopHandle", "Mailbox", "Watched", "cancel_quietly", "cancel_scope", "current_library", "fail_at",
+__all__ = ["LoopHandle", "Mailbox", "Readiness", "Watched", "cancel_quietly", "cancel_scope", "current_library", "fail_at",
            "in_loop", "run_in_thread", "run_watched", "run_with_tasks", "to_thread", "wait_readable"]

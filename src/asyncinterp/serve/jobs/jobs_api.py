@@ -197,6 +197,14 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     outline), run it on the worker's front as one submission, reply with the answer's results (a streaming
     job: its events as they come; the server hears that it was accepted from the "batch" message that starts
     its forward)."""
+    return await begin_in_worker(worker, jid, msg, timeout)()
+
+
+def begin_in_worker(worker, jid, msg, timeout):
+    """:func:`run_in_worker` up to its submission, in the calling thread, without waiting: the job read,
+    checked, tokenized and handed to the worker's front (its forward may start at once). Returns the coroutine
+    function that waits for its answer and returns the reply (a worker calls this as the message arrives, and
+    awaits the rest in the request's task: the forward does not wait for that task to be scheduled)."""
     server = worker.server
     runs_code = server.allow_code and worker.runs_code
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
@@ -204,13 +212,13 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
     job = _load(server, msg["job"], sandbox, timeout, None if runs_code or not server.allow_code else MISROUTED)
     checked = _checked(server, job, msg.get("owner"))
     meter = sandbox.clock if sandbox is not None else Meter()
-    worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
     on_cancel = None
     if sandbox is not None:
         def on_cancel():
             sandbox.clock.cancelled = True
     envelope = Envelope(None, meter, timeout, None, on_cancel)
     replied = []
+    stream = bool(msg.get("stream"))
 
     def reply_now(ok, outcomes):   # in the front's thread, as the answer arrives: no hop back to the event loop
         if ok:
@@ -219,27 +227,36 @@ async def run_in_worker(worker, jid, msg, timeout) -> dict:
                 replied.append(True)
             except Exception:  # noqa: BLE001 - the event loop answers it as usual (and reports what failed)
                 pass
+    worker.tags[meter] = jid     # (how the worker tells the server which requests a batch holds)
     try:
-        if msg.get("stream"):
-            # the server starts its answer when it hears that the job's batch began (the worker's "batch"
-            # message, sent as the forward starts): no message of its own before the forward
-            events = worker.batcher.events(worker.batcher.start(checked, envelope, stream=True, on_answer=reply_now))
-            try:
-                async for ev in events:
-                    if ev["event"] == "done":
-                        outcomes = ev["result"]
-                        break
-                    worker.send_event(jid, ev)
-            finally:
-                await events.aclose()
-        else:
-            outcomes = await worker.batcher.answer(worker.batcher.start(checked, envelope, on_answer=reply_now))
-    finally:
+        # a streamed job: the server starts its answer when it hears that the job's batch began (the worker's
+        # "batch" message, sent as the forward starts): no message of its own before the forward
+        submission = worker.batcher.start(checked, envelope, stream=stream, on_answer=reply_now)
+    except BaseException:
         worker.tags.pop(meter, None)
-    if replied:
-        return worker.REPLIED
-    # the results encoded once, here: the server passes these bytes on to the client as they are
-    return {"t": "done", "id": jid, "ok": True, "value": _encoded_outcomes(job.kind, outcomes)}
+        raise
+
+    async def finish() -> dict:
+        try:
+            if stream:
+                events = worker.batcher.events(submission)
+                try:
+                    async for ev in events:
+                        if ev["event"] == "done":
+                            outcomes = ev["result"]
+                            break
+                        worker.send_event(jid, ev)
+                finally:
+                    await events.aclose()
+            else:
+                outcomes = await worker.batcher.answer(submission)
+        finally:
+            worker.tags.pop(meter, None)
+        if replied:
+            return worker.REPLIED
+        # the results encoded once, here: the server passes these bytes on to the client as they are
+        return {"t": "done", "id": jid, "ok": True, "value": _encoded_outcomes(job.kind, outcomes)}
+    return finish
 
 
 def _check_versions(obj) -> None:

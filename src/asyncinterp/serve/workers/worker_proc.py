@@ -238,7 +238,7 @@ class Worker:
         self.live = 0       # requests received whose task has not ended
         self.unanswered = set()   # ids of the running batch not answered yet by reply_done (batcher's thread)
         self.end_told = False     # the running batch's end went out already, with its last answer
-        self.waiting = None  # the cancel scope of the event loop's wait for the pipe, while requests are live
+        self.waiting = aio.Readiness(channel.fileno())   # the event loop's wait for the pipe, while requests are live
         self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,
                                          lambda r: self._out_of_memory(self.tags.get(r.meter)), **settings["batcher"])
         server.batcher = self.batcher   # what the server's code reads of its batcher here (max_batch, ...)
@@ -260,7 +260,7 @@ class Worker:
             op = msg.get("op")
             if op == "run":
                 self.live += 1
-                start(self._arriving, msg)
+                start(self._arriving, msg, self._begin(msg))
             elif op == "arrivals":
                 self.batcher.arrivals.relay(msg.get("n", 0))
             elif op == "cancel":
@@ -292,21 +292,42 @@ class Worker:
         (the first request after a pause is read as soon as it arrives)."""
         if not self.live:
             return self.channel.recv(True)
-        with aio.cancel_scope() as self.waiting:
-            await aio.wait_readable(self.channel)
+        if await self.waiting.wait():
             return self.channel.recv(True)
-        return None     # cancelled by the last live request as it ended (_arriving)
+        return None     # ended by the last live request as it ended (_arriving)
 
-    async def _arriving(self, msg) -> None:
+    def _begin(self, msg):
+        """A remote job's part before its forward, done as its message arrives (read, checked, tokenized and
+        submitted here, in this loop's own turn; its task awaits the rest): ``finish``, the coroutine function
+        that awaits its reply, or the reply of a job refused on the way; ``None`` for other requests.
+
+        Its cancel scope is made here, so that a cancel that comes before its task runs is not lost."""
+        if msg.get("kind") != "job":
+            return None
+        jid = msg["id"]
+        self.scopes[jid] = aio.cancel_scope()
+        if msg.get("alone"):   # the server sends nothing else until it is answered: no company will come
+            self.batcher.max_wait = 0.0
+        with self.batcher.arrivals.expect():   # on its way to the batcher until it is submitted
+            try:
+                from ..jobs import jobs_api
+                return jobs_api.begin_in_worker(self, jid, msg, float(msg["timeout"]))
+            except _ERRORS as exc:
+                return self._failure(jid, exc)
+
+    async def _arriving(self, msg, begun=None) -> None:
         try:
-            with self.batcher.arrivals.expect():   # on its way to the batcher until it is submitted
-                await self._run(msg)
+            if begun is not None:   # submitted already (or refused): nothing of it is on its way
+                await self._run(msg, begun)
+            else:
+                with self.batcher.arrivals.expect():   # on its way to the batcher until it is submitted
+                    await self._run(msg)
         finally:
             self.live -= 1
-            if not self.live and self.waiting is not None:
-                aio.cancel_quietly(self.waiting)
+            if not self.live:
+                self.waiting.end()
 
-    async def _run(self, msg) -> None:
+    async def _run(self, msg, begun=None) -> None:
         jid = msg["id"]
         kind = msg["kind"]
         timeout = float(msg["timeout"])
@@ -323,10 +344,15 @@ class Worker:
         if alone:       # the server sends nothing else until it is answered: no company will come
             self.batcher.max_wait = 0.0
         reply = None
-        with aio.cancel_scope() as scope:
-            self.scopes[jid] = scope
+        scope = self.scopes.get(jid) or aio.cancel_scope()   # (made by _begin, for a job begun as it came)
+        self.scopes[jid] = scope
+        with scope:
             try:
-                reply = await self._call(jid, kind, msg, job, timeout, Envelope(None, meter, timeout, None, on_cancel))
+                if begun is not None:
+                    reply = begun if isinstance(begun, dict) else await begun()
+                else:
+                    reply = await self._call(jid, kind, msg, job, timeout,
+                                             Envelope(None, meter, timeout, None, on_cancel))
             except _ERRORS as exc:
                 reply = self._failure(jid, exc)
             finally:
