@@ -7,8 +7,10 @@ Everything through a real server (uvicorn, httpx) and real worker processes.
 """
 
 import asyncio
+import threading
 import time
 
+import anyio
 import httpx
 import pytest
 import torch
@@ -139,3 +141,50 @@ def test_a_batchs_end_sent_with_its_last_answer_ends_the_batch_on_the_server(ser
         time.sleep(0.01)
     assert pool.worker.batch == [] and pool.worker.batch_deadline is None and pool.worker.jobs == {}
     assert pool.worker.proc.is_alive()
+
+
+async def spin(m):
+    await m.layers[0].output
+    n = 0
+    while n >= 0:      # until its budget (20 s here) or a cancel ends it
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def patient(model):
+    srv = Live(Server(model, allow_code=True, isolation=ProcessIsolation(), timeout=60, code_budget=20.0))
+    yield srv
+    srv.close()
+
+
+def test_a_lone_job_run_in_the_workers_loop_still_hears_cancels_and_new_requests(patient, model):
+    """A job that reaches an idle worker runs in its event loop's main task (no task of its own); the pipe is
+    heard meanwhile: a request sent while it runs is taken and answered after it, and the client's cancel
+    ends it at its next tick, long before its 20 s budget."""
+    remote, other = ai.remote(patient.url), ai.remote(patient.url)
+    assert torch.allclose(remote.trace(PROMPT, last), model.trace(PROMPT, last), atol=1e-5)
+    pid = patient.server.batcher.pools["code"].worker.proc.pid
+    got = {}
+
+    def second():
+        time.sleep(0.3)       # sent while the spinning job runs
+        got["read"] = other.trace(PROMPT, last)
+
+    async def cancelled():
+        with anyio.move_on_after(1.0) as scope:
+            await remote.atrace(PROMPT, spin)
+        return scope.cancelled_caught
+    try:
+        t = threading.Thread(target=second)
+        t0 = time.monotonic()
+        t.start()
+        assert anyio.run(cancelled)
+        t.join(30)
+        assert time.monotonic() - t0 < 10      # not the spinning job's 20 s budget
+        assert torch.allclose(got["read"], model.trace(PROMPT, last), atol=1e-5)
+        assert torch.allclose(remote.trace(PROMPT, last), model.trace(PROMPT, last), atol=1e-5)
+        assert patient.server.batcher.pools["code"].worker.proc.pid == pid     # the same worker throughout
+    finally:
+        remote.close()
+        other.close()

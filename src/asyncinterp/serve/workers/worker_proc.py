@@ -239,6 +239,7 @@ class Worker:
         self.unanswered = set()   # ids of the running batch not answered yet by reply_done (batcher's thread)
         self.end_told = False     # the running batch's end went out already, with its last answer
         self.waiting = aio.Readiness(channel.fileno())   # the event loop's wait for the pipe, while requests are live
+        self.ended = False  # told to exit (or the pipe closed) while a request ran in the loop's main task
         self.batcher = _ReportingBatcher(server.model, self._batch_started, self._batch_ended,
                                          lambda r: self._out_of_memory(self.tags.get(r.meter)), **settings["batcher"])
         server.batcher = self.batcher   # what the server's code reads of its batcher here (max_batch, ...)
@@ -250,28 +251,64 @@ class Worker:
     async def _main(self, start):
         self.channel.send({"t": "ready", "pid": os.getpid(), "confined": confine.status_of().get("seccomp") == 2,
                            "threads": self.settings.get("threads_at_start")})
-        while True:
+        while not self.ended:
             try:
                 msg = await self._next_message()
             except (EOFError, OSError):
                 break
             if msg is None:     # the last live request ended: wait the idle way
                 continue
-            op = msg.get("op")
-            if op == "run":
-                self.live += 1
-                start(self._arriving, msg, self._begin(msg))
-            elif op == "arrivals":
-                self.batcher.arrivals.relay(msg.get("n", 0))
-            elif op == "cancel":
-                scope = self.scopes.get(msg.get("id"))
-                if scope is not None:
-                    scope.cancel()
-            elif op == "exit":
+            if msg.get("op") == "run" and not self.live:
+                await self._run_here(msg, start)
+            elif not self._apply(msg, start):
                 break
         for scope in list(self.scopes.values()):
             scope.cancel()
         await aio.to_thread(self.batcher.close)
+
+    def _apply(self, msg, start) -> bool:
+        """One message of the server, as it arrives; ``False``: stop serving (``exit``)."""
+        op = msg.get("op")
+        if op == "run":
+            self.live += 1
+            start(self._arriving, msg, self._begin(msg))
+        elif op == "arrivals":
+            self.batcher.arrivals.relay(msg.get("n", 0))
+        elif op == "cancel":
+            scope = self.scopes.get(msg.get("id"))
+            if scope is not None:
+                scope.cancel()
+        elif op == "exit":
+            return False
+        return True
+
+    async def _run_here(self, msg, start) -> None:
+        """A request that arrives with none live, run in this loop's main task rather than a task of its own
+        (its forward starts without waiting for that task to be scheduled). Meanwhile a reader callback hears
+        the pipe: cancels, arrivals, and requests that come now (those get tasks of their own); an ``exit``
+        or a closed pipe cancels what runs and ends serving."""
+        import asyncio
+        loop = asyncio.get_running_loop()
+        fd = self.channel.fileno()
+
+        def readable():
+            try:
+                more = self._apply(self.channel.recv(True), start)
+            except (EOFError, OSError):
+                more = False
+            if not more:
+                self.ended = True
+                loop.remove_reader(fd)
+                for scope in list(self.scopes.values()):
+                    scope.cancel()
+
+        self.live += 1
+        begun = self._begin(msg)
+        loop.add_reader(fd, readable)
+        try:
+            await self._arriving(msg, begun)
+        finally:
+            loop.remove_reader(fd)
 
     def _batch_started(self, batch) -> None:   # on the batcher's thread
         ids = [i for i in (self.tags.get(r.meter) for r in batch if r.state == "queued") if i is not None]
