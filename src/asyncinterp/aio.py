@@ -341,5 +341,5 @@ def cancel_scope():
     return anyio.CancelScope()
 
 
-__all__ = ["LoopHandle", "Mailbox", "Readiness", "Watched", "cancel_quietly", "cancel_scope", "current_library", "fail_at",
-           "in_loop", "run_in_thread", "run_watched", "run_with_tasks", "to_thread", "wait_readable"]
+__all__ = ["LoopHandle", "Mailbox", "Readiness", "Watched", "cancel_quietly", "cancel_scope", "current_library",
+           "fail_at", "in_loop", "run_in_thread", "run_watched", "run_with_tasks", "to_thread", "wait_readable"]

@@ -131,19 +131,18 @@ def bin_header(n: int) -> bytes:
 
 
 def encode_tensor(t: torch.Tensor) -> msgpack.ExtType:
+    # msgpack's [name, shape, data] with the element bytes copied once, from the tensor's memory
+    return msgpack.ExtType(EXT_TENSOR, b"".join(_tensor_parts(t)))
+
+
+def _tensor_parts(t: torch.Tensor):
+    """``(head, data)``: the ext payload of :func:`encode_tensor` is their join; ``data`` the elements' bytes (a
+    view of the tensor's memory where it allows one)."""
     if t.layout != torch.strided:
         t = t.to_dense()
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise WireError(f"tensors of dtype {t.dtype} cannot be sent; convert to one of {sorted(DTYPES)}")
-    head, data = _tensor_parts(t, name)
-    # msgpack's [name, shape, data] with the element bytes copied once, from the tensor's memory
-    return msgpack.ExtType(EXT_TENSOR, b"".join((head, data)))
-
-
-def _tensor_parts(t: torch.Tensor, name: str):
-    """``(head, data)``: the ext payload of :func:`encode_tensor` is their join; ``data`` the elements' bytes (a
-    view of the tensor's memory where it allows one)."""
     data = _tensor_data(t)
     size = data.nbytes if isinstance(data, memoryview) else len(data)
     return b"".join((b"\x93", msgpack.packb(name), msgpack.packb(list(t.shape)), bin_header(size))), data
@@ -290,13 +289,8 @@ def packb_parts(obj) -> list:
     token = os.urandom(12)
 
     def placeholder(t):   # an ext of 16 bytes no client value holds (a random token), replaced below
-        if t.layout != torch.strided:
-            t = t.to_dense()
-        name = _DTYPE_NAMES.get(t.dtype)
-        if name is None:
-            return encode_tensor(t)   # (raises the error that names the dtypes)
         marker = token + len(tensors).to_bytes(4, "big")
-        tensors.append((marker, *_tensor_parts(t, name)))
+        tensors.append((marker, *_tensor_parts(t)))
         return msgpack.ExtType(EXT_TENSOR, marker)
 
     packed = _pack(_prepare(obj, 0, placeholder))

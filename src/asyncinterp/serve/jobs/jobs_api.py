@@ -12,7 +12,7 @@ What ``ai.remote`` (:mod:`.remote`) sends. The body is a msgpack map:
 Every captured function is rebuilt through the sandbox (:class:`~.rebuild_sandbox.Sandboxed`: the
 static check, instrumentation, private copies of captured values, the restricted model view) in the process
 that runs it: a supervised server reads only the job's outline (:func:`~.job_wire.outline_job`) and its
-worker process reads, checks and tokenizes it once (:func:`run_in_worker`); a server without
+worker process reads, checks and tokenizes it once (:func:`begin_in_worker`); a server without
 ``--allow-code`` accepts only interventions registered on it, by name. The job's invokes run as
 one atomic group in the batcher (:mod:`.groups`): the same forward, never split across batches,
 sharing futures as locally; other requests may share the forward. Limits count the whole job: the
@@ -98,7 +98,7 @@ async def _jobs(server, request):
         if type(stream) is not bool:
             raise RequestFailed("request", "stream must be a bool")
         timeout = server.request_timeout(obj)
-        if server.supervised:   # the worker process that runs the job reads and checks it, once (run_in_worker)
+        if server.supervised:   # the worker process that runs the job reads and checks it, once (begin_in_worker)
             return await _in_worker(server, request, fields, data, stream, timeout)
         sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \
             if server.allow_code else None
@@ -133,7 +133,7 @@ async def _jobs(server, request):
 async def _in_worker(server, request, fields, data, stream, timeout) -> Response:
     """A supervised server passes the job on as the client wrote it, having read only its outline (kind,
     invokes, whether it carries code): the worker that runs it reads, checks and tokenizes it, once
-    (:func:`run_in_worker`), and a job it refuses is answered with that refusal's own status (400, 413...)."""
+    (:func:`begin_in_worker`), and a job it refuses is answered with that refusal's own status (400, 413...)."""
     outline = outline_of(server, data)
     fields.update(kind=outline.kind, invokes=outline.invokes, intervention="job")
     envelope = dict(code=outline.code, timeout=timeout, owner=owners.owner(server, request))
@@ -192,19 +192,12 @@ def _encoded(results) -> bytes:
     return results
 
 
-async def run_in_worker(worker, jid, msg, timeout) -> dict:
-    """In a worker process (:mod:`.worker_proc`): read, check and tokenize the job (the server read only its
-    outline), run it on the worker's front as one submission, reply with the answer's results (a streaming
-    job: its events as they come; the server hears that it was accepted from the "batch" message that starts
-    its forward)."""
-    return await begin_in_worker(worker, jid, msg, timeout)()
-
-
 def begin_in_worker(worker, jid, msg, timeout):
-    """:func:`run_in_worker` up to its submission, in the calling thread, without waiting: the job read,
-    checked, tokenized and handed to the worker's front (its forward may start at once). Returns the coroutine
-    function that waits for its answer and returns the reply (a worker calls this as the message arrives, and
-    awaits the rest in the request's task: the forward does not wait for that task to be scheduled)."""
+    """In a worker process (:mod:`.worker_proc`), as the job's message arrives: read, check and tokenize the job
+    (the server read only its outline) and hand it to the worker's front as one submission, in the calling
+    thread, without waiting (its forward may start at once). Returns the coroutine function that waits for its
+    answer and returns the reply with the answer's results (a streaming job: its events as they come; the
+    server hears that it was accepted from the "batch" message that starts its forward)."""
     server = worker.server
     runs_code = server.allow_code and worker.runs_code
     sandbox = Sandboxed(time.monotonic() + timeout, min(server.code_budget, timeout), server.model) \

@@ -309,7 +309,7 @@ class Supervisor(aio.Closable):
 
     async def job(self, data: bytes, *, code: bool, timeout: float | None = None, owner=None):
         """A remote job (``POST /v1/jobs``) as the client wrote it: the worker reads, checks and runs it whole
-        (:func:`~..jobs.jobs_api.run_in_worker`); returns its answer's ``results`` (one entry per invoke) as the
+        (:func:`~..jobs.jobs_api.begin_in_worker`); returns its answer's ``results`` (one entry per invoke) as the
         msgpack bytes the worker encoded (passed on to the client as they are, never decoded and encoded again).
         ``code``: it carries captured functions (the code pool runs it, see :func:`~..jobs.job_wire.outline_job`)."""
         return await self._wait(self._submit_job(data, code, timeout, False, owner))

@@ -262,9 +262,12 @@ class Worker:
                 await self._run_here(msg, start)
             elif not self._apply(msg, start):
                 break
+        self._cancel_all()
+        await aio.to_thread(self.batcher.close)
+
+    def _cancel_all(self) -> None:
         for scope in list(self.scopes.values()):
             scope.cancel()
-        await aio.to_thread(self.batcher.close)
 
     def _apply(self, msg, start) -> bool:
         """One message of the server, as it arrives; ``False``: stop serving (``exit``)."""
@@ -299,8 +302,7 @@ class Worker:
             if not more:
                 self.ended = True
                 loop.remove_reader(fd)
-                for scope in list(self.scopes.values()):
-                    scope.cancel()
+                self._cancel_all()
 
         self.live += 1
         begun = self._begin(msg)
@@ -397,7 +399,7 @@ class Worker:
                 self.tags.pop(meter, None)
                 if alone:
                     self.batcher.max_wait = self.max_wait
-        if reply is self.REPLIED:   # answered already, from the thread that ran it (jobs_api.run_in_worker)
+        if reply is self.REPLIED:   # answered already, from the thread that ran it (jobs_api.begin_in_worker)
             return
         if reply is None:   # cancelled by the server
             reply = {"t": "done", "id": jid, "ok": False, "cancelled": True,
@@ -426,10 +428,7 @@ class Worker:
         return edit.fn
 
     async def _call(self, jid, kind, msg, job, timeout, envelope):
-        batcher = self.batcher
-        if kind == "job":   # a remote job: rebuilt here (sandboxed) and run whole (see jobs_api)
-            from ..jobs import jobs_api
-            return await jobs_api.run_in_worker(self, jid, msg, timeout)
+        batcher = self.batcher   # (never a remote job: _begin submitted it, and _run awaits its finish)
         if kind == "session":     # serve/jobs/sessions.py: its traces are this worker's requests, tagged with its id
             from ..jobs.sessions import load_session
             run = load_session(self.server, msg.get("session") or {}, batcher, timeout)
@@ -460,7 +459,7 @@ class Worker:
                 "event": "error", "ok": False, "error": errors.reported(exc)[1]}})
         self.channel.send_bytes(data)
 
-    send_event = _event   # (for jobs_api.run_in_worker)
+    send_event = _event   # (for jobs_api.begin_in_worker)
 
     REPLIED = {"t": "replied"}   # what a job's call returns when its answer was sent already
 

@@ -56,7 +56,7 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     progress({"phase": "loading"})
     obj = server.decode_body(body)
     data = obj["job"]
-    if server.supervised:   # the worker that runs it reads and checks it (jobs_api.run_in_worker)
+    if server.supervised:   # the worker that runs it reads and checks it (jobs_api.begin_in_worker)
         outline = jobs_api.outline_of(server, data)
         kind, invokes = outline.kind, outline.invokes
         total = outline.generation.get("max_new_tokens", jobs_api.DEFAULT_NEW_TOKENS) if kind == "generate" else None
@@ -83,7 +83,7 @@ async def run_job(server, body: bytes, timeout: float, progress) -> dict:
     try:
         async for ev in events:
             if ev["event"] == "done":
-                if encode is None:   # a worker process's results, as it encoded them (jobs_api.run_in_worker)
+                if encode is None:   # a worker process's results, as it encoded them (jobs_api.begin_in_worker)
                     results = wire.unpackb(ev["result"], wire.answer_limits(len(ev["result"])))
                 else:
                     results = jobs_api.outcomes_of(encode, ev["result"])
