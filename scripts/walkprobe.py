@@ -5,11 +5,15 @@ Loaded in every Python process of a walk (``scripts/walk_probe/sitecustomize.py`
 
 * a thread of its own (restarted in every forked child) watches the walk's folder; when a trigger
   appears (the file ``trigger-baseline``, or anything written to ``fire-signal``) it appends the stacks
-  of every other thread and of every pending asyncio task of this process to ``out-PID.jsonl``;
+  of every other thread and of every pending asyncio task of this process to ``out-PID.jsonl``. The
+  baseline is taken once the process has settled (two snapshots a moment apart with the same stacks): on
+  a loaded machine a worker may still be finishing the warm-up request when the trigger appears, and a
+  baseline taken then would hide the measured request's stacks;
 * once ``asyncinterp.kernel.scheduler`` is imported it wraps ``Kernel.provide`` (what a hook calls):
   while the folder holds ``armed``, the first call in the whole walk appends its own thread's stack,
-  writes a byte to ``fire-signal`` and waits a moment, so that every process involved writes its stacks
-  while the request is still where it was when the hook fired.
+  writes a byte to ``fire-signal`` and holds the hook until the walk writes ``released`` (once every
+  process that took a baseline has written its stacks), so that every process writes them while the
+  request is still where it was when the hook fired, however slow the machine.
 
 Both files are opened when the process (or forked child) starts, before a worker confines itself:
 a confined worker may not open a file for writing, but writes to descriptors it holds. A frame is
@@ -24,8 +28,10 @@ import sys
 import threading
 import time
 
-POLL_S = 0.02        # how often the watcher looks at the walk's folder
-FIRE_HOLD_S = 1.5    # how long the firing thread waits for the other processes to write their stacks
+POLL_S = 0.02          # how often the watcher looks at the walk's folder
+SETTLE_EVERY_S = 0.25  # a baseline is taken when two snapshots this far apart have the same stacks...
+SETTLE_MAX_S = 30.0    # ...or, if the process never settles, the last snapshot after this long
+FIRE_HOLD_MAX_S = 120.0  # the firing thread waits for the walk's ``released`` file at most this long
 
 
 def frames_of(frame) -> list:
@@ -64,7 +70,14 @@ def _await_chain(coro) -> list:
 
 def _task_stacks() -> list:
     import asyncio.tasks as tasks
-    pending = set(getattr(tasks, "_all_tasks", ())) | set(getattr(tasks, "_scheduled_tasks", ()))
+    for _ in range(10):
+        try:   # the weak sets of tasks may change while we copy them (another thread's loop)
+            pending = set(getattr(tasks, "_all_tasks", ())) | set(getattr(tasks, "_scheduled_tasks", ()))
+            break
+        except RuntimeError:
+            time.sleep(0.001)
+    else:
+        pending = set()
     out = []
     for task in list(pending):
         try:
@@ -74,6 +87,11 @@ def _task_stacks() -> list:
         except Exception:   # a task of another thread's loop may change under us: skip it
             continue
     return out
+
+
+def _shape(snapshot: dict) -> tuple:
+    stacks = [tuple((f[0], f[2]) for f in s["frames"]) for s in snapshot["threads"] + snapshot["tasks"]]
+    return tuple(sorted(stacks))
 
 
 class Probe:
@@ -95,13 +113,29 @@ class Probe:
         except OSError:   # the walk is over and its folder gone
             return False
 
-    def dump(self, kind: str, skip=()) -> None:
+    def snapshot(self, kind: str) -> dict:
         me = threading.get_ident()
         names = {t.ident: t.name for t in threading.enumerate()}
         threads = [{"name": names.get(ident, str(ident)), "ident": ident, "frames": frames_of(frame)}
-                   for ident, frame in sys._current_frames().items() if ident != me and ident not in skip]
-        self.write({"pid": os.getpid(), "argv": sys.argv[:6], "kind": kind, "threads": threads,
-                    "tasks": _task_stacks()})
+                   for ident, frame in sys._current_frames().items() if ident != me]
+        return {"pid": os.getpid(), "argv": sys.argv[:6], "kind": kind, "threads": threads, "tasks": _task_stacks()}
+
+    def dump(self, kind: str) -> None:
+        self.write(self.snapshot(kind))
+
+    def dump_settled(self, kind: str) -> None:
+        """Write a snapshot once two taken ``SETTLE_EVERY_S`` apart have the same stacks (lines aside)."""
+        deadline = time.monotonic() + SETTLE_MAX_S
+        last = self.snapshot(kind)
+        while time.monotonic() < deadline:
+            time.sleep(SETTLE_EVERY_S)
+            now = self.snapshot(kind)
+            if _shape(now) == _shape(last):
+                break
+            last = now
+        else:
+            now["unsettled"] = True
+        self.write(now)
 
     def fire(self, frame) -> None:
         if self.fired():
@@ -109,7 +143,9 @@ class Probe:
         self.write({"pid": os.getpid(), "argv": sys.argv[:6], "kind": "firing", "ident": threading.get_ident(),
                     "frames": frames_of(frame)})
         os.write(self.signal, b"!")
-        time.sleep(FIRE_HOLD_S)
+        released, deadline = self.path("released"), time.monotonic() + FIRE_HOLD_MAX_S
+        while not os.path.exists(released) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
 
     def patch(self) -> None:
         scheduler = sys.modules.get("asyncinterp.kernel.scheduler")
@@ -137,7 +173,7 @@ class Probe:
                 if kind not in self.done and now:
                     self.done.add(kind)
                     try:
-                        self.dump(kind)
+                        self.dump_settled(kind) if kind == "baseline" else self.dump(kind)
                     except Exception as e:   # a probe must never break the process it watches
                         print(f"walk probe: {kind} dump failed in {os.getpid()}: {e!r}", file=sys.stderr)
             time.sleep(POLL_S)

@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,6 +46,8 @@ PROBE_DIR = str(ROOT / "scripts" / "walk_probe")
 PROMPT = "The cat sat on the"
 START_TIMEOUT_S = 600      # a vLLM engine or a Ray replica on two busy cores
 REQUEST_TIMEOUT_S = 120
+BASELINE_WAIT_S = 60       # for every process to settle and write its idle stacks
+RELEASE_WAIT_S = 120       # for every process to write its stacks while a hook is held
 WALKS = ("local", "remote", "vllm", "ray")
 TITLES = {"local": "local trace", "remote": "remote trace", "vllm": "OpenAI completion on vLLM",
           "ray": "remote trace on Ray Serve"}
@@ -79,12 +82,42 @@ class Walk:
         return walkprobe
 
     def baseline(self) -> None:
+        """Every process of the walk writes its idle stacks (each once it has settled; see walkprobe)."""
         open(os.path.join(self.folder, "trigger-baseline"), "w").close()
-        time.sleep(1.0)
+        deadline = time.monotonic() + BASELINE_WAIT_S
+        time.sleep(0.5)
+        while time.monotonic() < deadline and set(self.alive_writers()) - set(self.read("baseline")):
+            time.sleep(0.1)
         os.remove(os.path.join(self.folder, "trigger-baseline"))
 
     def arm(self) -> None:
+        """Arm the probe; once a hook fires, release it when every process has written its stacks."""
         open(os.path.join(self.folder, "armed"), "w").close()
+        threading.Thread(target=self._release_when_written, name="walk-release", daemon=True).start()
+
+    def _release_when_written(self) -> None:
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while not self.fired() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while time.monotonic() < deadline:
+            if not set(self.read("baseline")) & set(self.alive_writers()) - set(self.read("fire")):
+                break
+            time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            open(os.path.join(self.folder, "released"), "w").close()
+
+    def alive_writers(self) -> list:
+        """The pids of the processes that carry the probe (each opened its ``out-PID.jsonl``) and still run."""
+        pids = []
+        for path in pathlib.Path(self.folder).glob("out-*.jsonl"):
+            pid = int(path.stem.removeprefix("out-"))
+            try:
+                state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue    # gone
+            if state not in ("Z", "X"):
+                pids.append(pid)
+        return pids
 
     def fired(self) -> bool:
         path = os.path.join(self.folder, "fire-signal")
@@ -94,7 +127,10 @@ class Walk:
         out = {}
         for path in pathlib.Path(self.folder).glob("out-*.jsonl"):
             for line in path.read_text().splitlines():
-                data = json.loads(line)
+                try:
+                    data = json.loads(line)
+                except ValueError:
+                    continue    # a line still being written
                 if data["kind"] == kind:
                     out[data["pid"]] = data
         return out
