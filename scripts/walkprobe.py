@@ -126,7 +126,7 @@ class Probe:
     def dump_settled(self, kind: str) -> None:
         """Write a snapshot once two taken ``SETTLE_EVERY_S`` apart have the same stacks (lines aside)."""
         deadline = time.monotonic() + SETTLE_MAX_S
-        last = self.snapshot(kind)
+        last = now = self.snapshot(kind)
         while time.monotonic() < deadline:
             time.sleep(SETTLE_EVERY_S)
             now = self.snapshot(kind)

@@ -100,7 +100,8 @@ class Walk:
         while not self.fired() and time.monotonic() < deadline:
             time.sleep(0.02)
         while time.monotonic() < deadline:
-            if not set(self.read("baseline")) & set(self.alive_writers()) - set(self.read("fire")):
+            unwritten = (set(self.read("baseline")) & set(self.alive_writers())) - set(self.read("fire"))
+            if not unwritten:
                 break
             time.sleep(0.05)
         with contextlib.suppress(OSError):

@@ -380,7 +380,7 @@ class Worker:
         meter = meter if meter is not None else Meter()
         self.tags[meter] = jid
         alone = bool(msg.get("alone"))
-        if alone:       # the server sends nothing else until it is answered: no company will come
+        if alone and begun is None:   # no company will come (a job begun as it came: _begin set it already)
             self.batcher.max_wait = 0.0
         reply = None
         scope = self.scopes.get(jid) or aio.cancel_scope()   # (made by _begin, for a job begun as it came)
